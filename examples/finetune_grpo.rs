@@ -43,8 +43,8 @@ pub(crate) struct GrpoArgs {
     #[arg(long, default_value = "group")]
     pub(crate) scale_rewards: String,
     /// The KL term's weight β against the model as the run starts (TRL's beta; 0: none, no
-    /// reference kept; DeepSeekMath 0.04). With --lora the reference is the frozen base (not
-    /// with --quantize-base).
+    /// reference kept; DeepSeekMath 0.04). With --lora the reference is the frozen base (with
+    /// --quantize-base, its codes).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) grpo_beta: f64,
     /// Leave out of the loss the completions that reach --max-completion-length without the

@@ -123,6 +123,25 @@ impl Llama {
         Self::assemble(&lb, cfg, ctx, Vec::new(), Some(Arc::new(lb.clone())), router_log)
     }
 
+    /// A model over a quantized base ([`Llama::new_quantized`]) read without its adapters: the
+    /// same codes, nothing copied (PEFT's disabled adapters; GRPO's KL reference of a QLoRA
+    /// run; with DoRA, the base weights unscaled, as PEFT's). `None` for any other model, and
+    /// for one whose embedding or head are trained whole (`modules_to_save`: the base's copies
+    /// are not kept).
+    pub fn quantized_base(&self) -> Result<Option<Self>> {
+        let (Some(lb), Some(lora)) = (&self.lazy, &self.cfg.lora) else { return Ok(None) };
+        if !lora.modules_to_save.is_empty() {
+            return Ok(None);
+        }
+        let cfg = LlamaConfig { lora: None, ..self.cfg.clone() };
+        let router_log = RouterLog::default();
+        let base = LayerBuilder::new(lb.vb().clone(), &cfg, &self.ctx, router_log.clone());
+        for i in 0..cfg.num_hidden_layers {
+            base.block(i)?;
+        }
+        Ok(Some(Self::assemble(&base, &cfg, &self.ctx, Vec::new(), Some(Arc::new(base.clone())), router_log)?))
+    }
+
     /// The embedding, final norm and head from `lb`, with the layers `blocks` (or built by
     /// `lazy` in each forward).
     fn assemble(lb: &LayerBuilder, cfg: &LlamaConfig, ctx: &ParallelCtx, blocks: Vec<Arc<Block>>, lazy: Option<Arc<LayerBuilder<'static>>>, router_log: RouterLog) -> Result<Self> {

@@ -45,7 +45,8 @@
 //! estimator), normalised as the rest: the reference scores the same rows by a forward
 //! without a graph, and each token's weight gains `k_i·β·(e^(ref − log π) − 1)`. A LoRA run's
 //! reference is its frozen base: the same tensors read without the adapters (PEFT's disabled
-//! adapters), nothing copied or checkpointed.
+//! adapters; a quantized base's codes, [`crate::Llama::quantized_base`]), nothing copied or
+//! checkpointed.
 //!
 //! Advantages (TRL's `scale_rewards`): the group's mean subtracted, then divided by the group's
 //! standard deviation (`group`, unbiased as `torch.std`), by the whole micro-batch's (`batch`)

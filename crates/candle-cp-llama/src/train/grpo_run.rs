@@ -319,7 +319,7 @@ impl GrpoRun {
 /// the data, the layout and the rows; with the KL term, the reference — this rank's copy of the
 /// model as the run starts, or a resumed run's from its checkpoint (`resume_dir/reference`);
 /// a resumed run's kept completions.
-pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (policy, ctx, dev): (&candle_nn::VarMap, &ParallelCtx, &Device), resume_dir: Option<&Path>) -> Result<Option<GrpoRun>> {
+pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (policy, model, ctx, dev): (&candle_nn::VarMap, &Llama, &ParallelCtx, &Device), resume_dir: Option<&Path>) -> Result<Option<GrpoRun>> {
     let (g, set) = match (&cfg.grpo, &cfg.data) {
         (None, super::DataSource::Prompts(_)) => bail!("train: prompts train by GRPO: set grpo"),
         (None, _) => return Ok(None),
@@ -345,13 +345,18 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
     let reference = match g.beta > 0.0 {
         false => None,
         // (a LoRA run's reference: its frozen base, the same tensors read without the adapters,
-        // as PEFT's disabled adapters — nothing copied, nothing to checkpoint)
+        // as PEFT's disabled adapters — nothing copied, nothing to checkpoint; a quantized
+        // base's codes, the policy's own)
         true if cfg.lora.is_some() => {
-            if cfg.quantize_base.is_some() || mcfg.lora.as_ref().is_some_and(|l| !l.modules_to_save.is_empty()) {
-                bail!("train: GRPO's KL term (beta {}) with LoRA takes the frozen base as its reference: not with a quantized base or modules trained whole (modules_to_save): set beta 0", g.beta)
+            if mcfg.lora.as_ref().is_some_and(|l| !l.modules_to_save.is_empty()) {
+                bail!("train: GRPO's KL term (beta {}) with LoRA takes the frozen base as its reference: not with modules trained whole (modules_to_save): set beta 0", g.beta)
             }
             let base = crate::LlamaConfig { lora: None, ..mcfg.clone() };
-            Some((None, Llama::new(super::lora::frozen_builder(policy, &base, cfg.dtype, dev)?, &base, ctx)?))
+            match (cfg.quantize_base, model.quantized_base()?) {
+                (Some(_), Some(m)) => Some((None, m)),
+                (Some(_), None) => bail!("train: GRPO's KL reference: the quantized base could not be read without its adapters"),
+                (None, _) => Some((None, Llama::new(super::lora::frozen_builder(policy, &base, cfg.dtype, dev)?, &base, ctx)?)),
+            }
         }
         true => {
             let r = match resume_dir {

@@ -276,21 +276,27 @@ fn grpo_runs_match_on_every_layout() -> Result<()> {
     bad.grpo = Some(GrpoConfig { sampling: Sampling::Greedy, ..grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group) });
     assert!(run(&bad).unwrap_err().to_string().contains("greedy"));
     // LoRA with the KL term: the reference is the frozen base — step 1's KL 0 (the adapters
-    // start at zero), later above; zigzag CP 2 follows one device
-    let lora = |layout: Layout| -> Result<TrainConfig> {
+    // start at zero), later above; zigzag CP 2 follows one device; so with a quantized base
+    // (QLoRA: the reference reads the same NF4 codes)
+    let lora = |layout: Layout, quant: Option<&str>| -> Result<TrainConfig> {
         let mut c = with(layout, 0.04);
         c.lora = Some(crate::LoraSpec::new(2, 8.0, &["q_proj", "v_proj", "down_proj"])?);
+        c.quantize_base = quant.map(str::parse).transpose()?;
         Ok(c)
     };
-    let a = run(&lora(Layout::single())?)?;
-    let m = &a[0].metrics;
-    assert!(m[0].grpo_kl.is_some_and(|k| k.abs() < 1e-7) && m[3].grpo_kl.is_some_and(|k| k > 1e-7), "{m:?}");
-    let b = run(&lora(Layout::cp(CpKind::Zigzag, 2))?)?;
-    for (x, y) in m.iter().zip(&b[0].metrics) {
-        assert!(x.grpo_reward == y.grpo_reward && (x.train_loss - y.train_loss).abs() < 1e-6 && (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0), "LoRA step {}: {x:?} vs {y:?}", x.step);
+    for quant in [None, Some("nf4,32")] {
+        let a = run(&lora(Layout::single(), quant)?)?;
+        let m = &a[0].metrics;
+        assert!(m[0].grpo_kl.is_some_and(|k| k.abs() < 1e-7) && m[3].grpo_kl.is_some_and(|k| k > 1e-7), "{quant:?}: {m:?}");
+        let b = run(&lora(Layout::cp(CpKind::Zigzag, 2), quant)?)?;
+        for (x, y) in m.iter().zip(&b[0].metrics) {
+            assert!(x.grpo_reward == y.grpo_reward && (x.train_loss - y.train_loss).abs() < 1e-6 && (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0), "LoRA {quant:?} step {}: {x:?} vs {y:?}", x.step);
+        }
     }
-    let mut bad = lora(Layout::single())?;
-    bad.quantize_base = Some("nf4,32".parse()?);
+    let mut bad = lora(Layout::single(), None)?;
+    if let Some(l) = bad.lora.as_mut() {
+        l.modules_to_save = vec!["lm_head".into()];
+    }
     let e = run(&bad).unwrap_err().to_string();
     assert!(e.contains("set beta 0"), "{e}");
     Ok(())

@@ -346,7 +346,7 @@ pub fn train_rank(
     let mut dpo = super::dpo::prepare(cfg, &model, (&varmap, &mcfg), &ctx, &dev, resume_from.as_deref().filter(|_| start_step > 0), is_main)?;
     // GRPO: the prompts whose completions each micro-batch samples (and, with a KL term, the
     // reference: the model as the run started, read back from the checkpoint on resume)
-    let mut grpo = super::grpo_run::prepare(cfg, &mcfg, (&varmap, &ctx, &dev), resume_from.as_deref().filter(|_| start_step > 0))?;
+    let mut grpo = super::grpo_run::prepare(cfg, &mcfg, (&varmap, &model, &ctx, &dev), resume_from.as_deref().filter(|_| start_step > 0))?;
     // BCO: the running mean reward as the resumed checkpoint left it
     if let (Some(d), Some(m)) = (dpo.as_mut(), state.as_ref().and_then(|s| s.bco_mean)) {
         d.running = m;
