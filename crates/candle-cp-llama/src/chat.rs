@@ -8,7 +8,9 @@
 //! plain conversation form of each — system, user and assistant turns; no tool calls, no
 //! default system prompt (Qwen 2.5's "You are Qwen..." and Granite's dated one are not
 //! inserted: give a system turn to have one), no date lines (but in harmony's structural
-//! system block), no reasoning (GLM-4.5's and EXAONE 4.0's empty think blocks, thinking off, are written).
+//! system block), no reasoning (GLM-4.5's and EXAONE 4.0's empty think blocks, thinking off, are written)
+//! but Qwen3's (`qwen3`, `qwen3-thinking`: [`crate::chat_reasoning`]), whose assistant turns
+//! carry their reasoning (`reasoning_content`, or a `<think>…</think>` block in the content).
 //! [`ChatTemplate::detect`] recognises the family from the model's own Jinja source
 //! (`tokenizer_config.json`'s `chat_template`, or `chat_template.jinja` / `.json`:
 //! [`ChatTemplate::of_model_dir`]); a template it does not know is an error naming the
@@ -18,6 +20,8 @@
 //! llama3    <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{u}<|eot_id|>
 //!           <|start_header_id|>assistant<|end_header_id|>\n\n[{a}<|eot_id|>]
 //! chatml    <|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n[{a}<|im_end|>]\n
+//! qwen3     <|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n[<think>\n{r}\n</think>\n\n{a}<|im_end|>]\n
+//! qwen3-thinking  ..<|im_start|>assistant\n<think>\n[{r}\n</think>\n\n{a}<|im_end|>]\n
 //! gemma     <bos><start_of_turn>user\n{u}<end_of_turn>\n<start_of_turn>model\n[{a}<end_of_turn>]\n
 //! phi3      <|user|>\n{u}<|end|>\n<|assistant|>\n[{a}<|end|>]\n<|endoftext|>
 //! phi4      <|user|>{u}<|end|><|assistant|>[{a}<|end|>]<|endoftext|>
@@ -53,12 +57,21 @@ pub struct Message {
     pub role: String,
     /// The turn's text.
     pub content: String,
+    /// An assistant turn's reasoning (`reasoning_content`), written by the templates that
+    /// write reasoning (Qwen3's), left out by the others as their Jinja sources do.
+    pub reasoning: Option<String>,
 }
 
 impl Message {
     /// A turn of `role` saying `content`.
     pub fn new(role: &str, content: &str) -> Self {
-        Self { role: role.to_string(), content: content.to_string() }
+        Self { role: role.to_string(), content: content.to_string(), reasoning: None }
+    }
+
+    /// This turn with its reasoning `reasoning` (`reasoning_content`).
+    pub fn with_reasoning(mut self, reasoning: &str) -> Self {
+        self.reasoning = Some(reasoning.to_string());
+        self
     }
 }
 
@@ -70,8 +83,16 @@ pub const ROLES: [&str; 3] = ["system", "user", "assistant"];
 pub enum ChatTemplate {
     /// Llama 3 / 3.1 / 3.2 / 3.3 Instruct.
     Llama3,
-    /// ChatML: Qwen 2 / 2.5 / 3, SmolLM, many fine-tunes.
+    /// ChatML: Qwen 2 / 2.5, Qwen3-Instruct-2507, SmolLM, many fine-tunes.
     ChatMl,
+    /// Qwen3's (the hybrid thinking models, thinking on): ChatML with each answer after its
+    /// think block, `<think>\n{reasoning}\n</think>\n\n` (empty without reasoning) — the
+    /// block a target, as the model writes it. As TRL's prefix-preserving training variant,
+    /// every answer has its block, not only those after the last user turn.
+    Qwen3,
+    /// Qwen3-Thinking-2507's: [`ChatTemplate::Qwen3`] with the generation prompt ending in
+    /// `<think>\n` (the model always reasons), so each answer's `<think>\n` is prompt.
+    Qwen3Thinking,
     /// Gemma 2 / 3 (the assistant is `model`; a system turn's text and a blank line are put
     /// before the first user turn's text, as Gemma 3's template does).
     Gemma,
@@ -131,9 +152,11 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 16] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 18] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
+    ("qwen3", ChatTemplate::Qwen3),
+    ("qwen3-thinking", ChatTemplate::Qwen3Thinking),
     ("gemma", ChatTemplate::Gemma),
     ("phi3", ChatTemplate::Phi3),
     ("phi4", ChatTemplate::Phi4),
@@ -189,6 +212,10 @@ impl ChatTemplate {
             Some(Self::MistralV3)
         } else if has("<|start_header_id|>") {
             Some(Self::Llama3)
+        } else if has("<|im_start|>") && has("reasoning_content") && has("<think>") {
+            // Qwen3's: the hybrid's generation prompt says `enable_thinking`, Thinking-2507's
+            // opens the think block
+            Some(if has("enable_thinking") { Self::Qwen3 } else { Self::Qwen3Thinking })
         } else if has("<|im_start|>") {
             Some(Self::ChatMl)
         } else if has("<start_of_turn>") {
@@ -245,7 +272,7 @@ impl ChatTemplate {
     pub fn end_of_turn(self) -> &'static str {
         match self {
             Self::Llama3 => "<|eot_id|>",
-            Self::ChatMl => "<|im_end|>",
+            Self::ChatMl | Self::Qwen3 | Self::Qwen3Thinking => "<|im_end|>",
             Self::Gemma => "<end_of_turn>",
             Self::Phi3 | Self::Phi4 => "<|end|>",
             Self::Granite => "<|end_of_text|>",
@@ -316,6 +343,7 @@ impl ChatTemplate {
                     push("<|endoftext|>".into(), false);
                 }
             }
+            Self::Qwen3 | Self::Qwen3Thinking => crate::chat_reasoning::render_qwen3(self == Self::Qwen3Thinking, messages, train, generation_prompt, &mut push),
             Self::Gemma => {
                 push("<bos>".into(), false);
                 let (system, rest) = match messages.split_first() {
@@ -523,7 +551,7 @@ fn civil_date(days: i64) -> (i64, i64, i64) {
 }
 
 /// Is turn `i` a target: an assistant turn that `train` selects.
-fn is_target(m: &Message, i: usize, train: &dyn Fn(usize) -> bool) -> bool {
+pub(crate) fn is_target(m: &Message, i: usize, train: &dyn Fn(usize) -> bool) -> bool {
     m.role == "assistant" && train(i)
 }
 
@@ -584,7 +612,12 @@ pub fn parse_messages(v: &Value, what: &str) -> Result<Vec<Message>> {
                 Some(other) => bail!("{what}[{i}]: `{k}` must be a string, got {other}"),
                 None => bail!("{what}[{i}]: no `{k}` (a message is {{\"role\": .., \"content\": ..}})"),
             };
-            Ok(Message { role: field("role")?, content: field("content")? })
+            let reasoning = match m.get("reasoning_content") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(r)) => Some(r.clone()),
+                Some(other) => bail!("{what}[{i}]: `reasoning_content` must be a string, got {other}"),
+            };
+            Ok(Message { role: field("role")?, content: field("content")?, reasoning })
         })
         .collect()
 }

@@ -32,6 +32,16 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<|im_start|>assistant\n",
         ),
         (
+            ChatTemplate::Qwen3,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi? <|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello.<|im_end|>\n<|im_start|>user\nName?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nBob<|im_end|>\n",
+            "<|im_start|>assistant\n",
+        ),
+        (
+            ChatTemplate::Qwen3Thinking,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi? <|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello.<|im_end|>\n<|im_start|>user\nName?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nBob<|im_end|>\n",
+            "<|im_start|>assistant\n<think>\n",
+        ),
+        (
             ChatTemplate::Gemma,
             "<bos><start_of_turn>user\nBe brief.\n\nHi?<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nName?<end_of_turn>\n<start_of_turn>model\nBob<end_of_turn>\n",
             "<start_of_turn>model\n",
@@ -112,6 +122,12 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
         let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
         // (GLM: the newline after the marker, and the last answer ended by <|endoftext|>)
         let (sp, last_eot) = if matches!(t, ChatTemplate::Glm4 | ChatTemplate::Glm45) { ("\n", "<|endoftext|>") } else { (sp, eot) };
+        // (Qwen3: the think block a target, but Thinking-2507's `<think>\n`)
+        let sp = match t {
+            ChatTemplate::Qwen3 => "<think>\n\n</think>\n\n",
+            ChatTemplate::Qwen3Thinking => "\n</think>\n\n",
+            _ => sp,
+        };
         // (harmony: an answer before the last ends with <|end|>)
         let mid = if t == ChatTemplate::Harmony { "<|end|>" } else { eot };
         assert_eq!(targets(&all), format!("{sp}Hello.{mid}{sp}Bob{last_eot}"), "{}", t.name());
@@ -163,7 +179,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, qwen3, qwen3-thinking, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -174,6 +190,10 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
     let sources = [
         ("{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' %}", Some(ChatTemplate::Llama3)),
         ("{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}", Some(ChatTemplate::ChatMl)),
+        // (Qwen3's hybrid: reasoning_content, the think block, enable_thinking; Thinking-2507's
+        // without enable_thinking, its generation prompt opening the block)
+        ("{%- if message.reasoning_content is string %}{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}{%- if enable_thinking is defined and enable_thinking is false %}", Some(ChatTemplate::Qwen3)),
+        ("{%- if message.reasoning_content is string %}{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}{{- '<|im_start|>assistant\\n<think>\\n' }}", Some(ChatTemplate::Qwen3Thinking)),
         ("{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}", Some(ChatTemplate::Gemma)),
         ("{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}", Some(ChatTemplate::Phi3)),
         ("{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}", Some(ChatTemplate::Phi3)),
@@ -251,5 +271,43 @@ fn parses_messages_and_names_the_bad_one() -> Result<()> {
         let e = parse_messages(&json(bad)?, "`messages`").unwrap_err().to_string();
         assert!(e.contains(want), "{bad}: {e}");
     }
+    Ok(())
+}
+
+/// Qwen3's: every answer after its think block — empty without reasoning (the text TRL's
+/// docs give for "What color is the sky?"), the reasoning of `reasoning_content` or of a
+/// `<think>…</think>` block in the content (its newlines stripped, the answer's leading ones
+/// too) —, the block and the answer the targets; Thinking-2507's with `<think>\n` in the prompt
+/// and the generation prompt; `reasoning_content` read from JSON, other templates leave it out.
+#[test]
+fn qwen3_writes_each_answers_reasoning() -> Result<()> {
+    let sky = [Message::new("user", "What color is the sky?"), Message::new("assistant", "It is blue.")];
+    assert_eq!(ChatTemplate::Qwen3.render_text(&sky, false)?, "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nIt is blue.<|im_end|>\n");
+    let conv = [
+        Message::new("system", "S"),
+        Message::new("user", "a"),
+        Message::new("assistant", "\n<think>\nfirst\n\n</think>\n\nA1"),
+        Message::new("user", "b"),
+        Message::new("assistant", "A2").with_reasoning("\nsecond\n"),
+    ];
+    let s = ChatTemplate::Qwen3.render(&conv, &|i| i == 4, true)?;
+    let text: String = s.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think>\nfirst\n</think>\n\nA1<|im_end|>\n<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n<think>\nsecond\n</think>\n\nA2<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(targets(&s), "<think>\nsecond\n</think>\n\nA2<|im_end|>");
+    let s = ChatTemplate::Qwen3Thinking.render(&conv, &|_| true, true)?;
+    assert_eq!(targets(&s), "first\n</think>\n\nA1<|im_end|>second\n</think>\n\nA2<|im_end|>");
+    assert!(s.iter().map(|(t, _)| t.as_str()).collect::<String>().ends_with("<|im_start|>assistant\n<think>\n"));
+    // (one tag alone is no block: the content is the answer)
+    assert_eq!(crate::chat_reasoning::split_reasoning(&Message::new("assistant", "x</think>y")), (String::new(), "x</think>y".to_string()));
+    let v: Value = serde_json::from_str(r#"[{"role": "user", "content": "q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]"#).expect("json");
+    let m = parse_messages(&v, "`messages`")?;
+    assert_eq!(m[1].reasoning.as_deref(), Some("R"));
+    assert!(ChatTemplate::Qwen3.render_text(&m, false)?.contains("<think>\nR\n</think>\n\nA<|im_end|>"));
+    assert_eq!(ChatTemplate::ChatMl.render_text(&m, false)?, "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n");
+    let bad: Value = serde_json::from_str(r#"[{"role": "assistant", "content": "A", "reasoning_content": 3}]"#).expect("json");
+    assert!(parse_messages(&bad, "`messages`").unwrap_err().to_string().contains("`reasoning_content` must be a string"));
     Ok(())
 }

@@ -59,6 +59,7 @@
 pub mod arch;
 pub mod attn;
 pub mod chat;
+pub mod chat_reasoning;
 mod attn2d;
 pub mod config;
 pub mod expert_params;
