@@ -66,18 +66,27 @@ pub(crate) struct GrpoArgs {
     #[arg(long, default_value = "token")]
     pub(crate) importance_sampling_level: String,
     /// The reward against the example's completion: exact (1 for the completion itself, else
-    /// 0), tokens (the fraction of positions that match) or finished (1 when the completion
-    /// ends with the end-of-sequence id); several, comma separated, summed (--reward-weights).
+    /// 0), tokens (the fraction of positions that match), finished (1 when the completion
+    /// ends with the end-of-sequence id) or command (--reward-command's); several, comma
+    /// separated, summed (--reward-weights).
     #[arg(long, default_value = "tokens")]
     pub(crate) reward: String,
     /// The weights of a --reward list, comma separated (default: 1 each).
     #[arg(long, value_name = "W,..")]
     pub(crate) reward_weights: Option<String>,
+    /// The shell command of `--reward command`, started once (`sh -c CMD`): it reads one JSON
+    /// line per completion, `{"prompt": .., "completion": .., "answer": ..}` (texts, decoded by
+    /// --tokenizer or byte-level), and prints one number per line, the completion's reward.
+    #[arg(long, value_name = "CMD")]
+    pub(crate) reward_command: Option<String>,
+    /// Seconds --reward-command may take to answer one completion.
+    #[arg(long, default_value_t = 60)]
+    pub(crate) reward_timeout: u64,
 }
 
 impl GrpoArgs {
     /// The run's GRPO settings (`None` without --grpo), completions ending at `eos`.
-    pub(crate) fn config(&self, eos: Option<u32>, seed: u64) -> Result<Option<GrpoConfig>> {
+    pub(crate) fn config(&self, eos: Option<u32>, seed: u64, tokenizer: Option<&std::path::Path>) -> Result<Option<GrpoConfig>> {
         if !self.grpo {
             return Ok(None);
         }
@@ -97,11 +106,18 @@ impl GrpoArgs {
                     "exact" => rewards::exact_match(),
                     "tokens" => rewards::token_accuracy(),
                     "finished" => rewards::finished(eos.into_iter().collect()),
-                    r => bail!("--reward {r}: expected exact, tokens or finished"),
+                    "command" => {
+                        let Some(cmd) = &self.reward_command else { bail!("--reward command needs --reward-command CMD") };
+                        rewards::command("sh", &["-c".into(), cmd.clone()], decoder(tokenizer)?, std::time::Duration::from_secs(self.reward_timeout))?
+                    }
+                    r => bail!("--reward {r}: expected exact, tokens, finished or command"),
                 };
                 Ok((r, w))
             })
             .collect::<Result<Vec<_>>>()?;
+        if self.reward_command.is_some() && !names.contains(&"command") {
+            bail!("--reward-command is the reward `command`: name it in --reward")
+        }
         let reward = match parts.len() {
             1 if parts[0].1 == 1.0 => parts.into_iter().next().map(|(r, _)| r).ok_or_else(|| anyhow::anyhow!("--reward: none"))?,
             _ => rewards::weighted(parts),
@@ -125,4 +141,17 @@ impl GrpoArgs {
         c.validate()?;
         Ok(Some(c))
     }
+}
+
+/// Token ids → text for --reward-command: through --tokenizer (special tokens kept), else the
+/// bytes as UTF-8 (lossy; an id past 255 as U+FFFD).
+fn decoder(tokenizer: Option<&std::path::Path>) -> Result<rewards::Decode> {
+    Ok(match tokenizer {
+        Some(p) => {
+            let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?;
+            std::sync::Arc::new(move |ids: &[u32]| tok.decode(ids, false).map_err(|e| candle_core::Error::Msg(format!("decoding {} ids: {e}", ids.len()))))
+        }
+        // (an id past the bytes, of a larger random-init vocabulary: U+FFFD)
+        None => std::sync::Arc::new(|ids: &[u32]| Ok(String::from_utf8_lossy(&ids.iter().flat_map(|&t| if t < 256 { vec![t as u8] } else { "\u{fffd}".as_bytes().to_vec() }).collect::<Vec<_>>()).into_owned())),
+    })
 }

@@ -298,7 +298,7 @@ fn main() -> Result<()> {
                 (None, Some(dir)) => candle_cp_llama::stop_tokens(dir)?.first().copied(),
                 (None, None) => None,
             };
-            a.grpo.config(eos, a.seed)?
+            a.grpo.config(eos, a.seed, a.tokenizer.as_deref())?
         },
         expert_bias_update: a.expert_bias_update,
         // (the --tokenizer the data went through, beside each checkpoint's weights)

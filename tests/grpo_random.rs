@@ -38,7 +38,7 @@ fn prompts(seed: u64) -> Result<PromptSet> {
 
 /// The reward: the fraction of capital letters (a random model's groups differ).
 fn capitals() -> RewardFn {
-    Arc::new(|_, c, _| c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64)
+    Arc::new(|_, c, _| Ok(c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64))
 }
 
 /// An objective (2 or 4 completions per prompt: DP 2 divides either).

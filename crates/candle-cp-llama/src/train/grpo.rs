@@ -60,29 +60,33 @@ use candle_core::{bail, Device, Result, Tensor};
 use candle_cp_ops::packing::Documents;
 use std::sync::Arc;
 
-/// A reward function: `(prompt, completion, reference answer)` token ids → reward. The
-/// completion ends with its stop token when it stopped.
-pub type RewardFn = Arc<dyn Fn(&[u32], &[u32], &[u32]) -> f64 + Send + Sync>;
+/// A reward function: `(prompt, completion, reference answer)` token ids → reward (finite;
+/// an error, or a reward that is not, stops the run naming the completion). The completion
+/// ends with its stop token when it stopped. It must give every rank the same reward for the
+/// same completion (a run checks: [`super::grpo_run`]).
+pub type RewardFn = Arc<dyn Fn(&[u32], &[u32], &[u32]) -> Result<f64> + Send + Sync>;
 
 /// Reward functions against a prompt's reference answer.
 pub mod rewards {
     use super::RewardFn;
     use std::sync::Arc;
 
+    pub use super::super::reward_command::{command, Decode};
+
     /// 1 when the completion is the reference answer token for token, else 0.
     pub fn exact_match() -> RewardFn {
-        Arc::new(|_, completion, answer| (completion == answer) as u8 as f64)
+        Arc::new(|_, completion, answer| Ok((completion == answer) as u8 as f64))
     }
 
     /// `Σ w_k · r_k`: several rewards summed with their weights (TRL's `reward_funcs` with
     /// `reward_weights`).
     pub fn weighted(parts: Vec<(RewardFn, f64)>) -> RewardFn {
-        Arc::new(move |p, c, a| parts.iter().map(|(r, w)| w * r(p, c, a)).sum())
+        Arc::new(move |p, c, a| parts.iter().map(|(r, w)| Ok(w * r(p, c, a)?)).sum())
     }
 
     /// 1 when the completion ends with one of `stop` (it finished within the length), else 0.
     pub fn finished(stop: Vec<u32>) -> RewardFn {
-        Arc::new(move |_, c, _| c.last().is_some_and(|t| stop.contains(t)) as u8 as f64)
+        Arc::new(move |_, c, _| Ok(c.last().is_some_and(|t| stop.contains(t)) as u8 as f64))
     }
 
     /// The fraction of the longer of the completion and the answer whose tokens match the
@@ -90,7 +94,7 @@ pub mod rewards {
     pub fn token_accuracy() -> RewardFn {
         Arc::new(|_, completion, answer| {
             let n = completion.len().max(answer.len()).max(1);
-            completion.iter().zip(answer).filter(|(a, b)| a == b).count() as f64 / n as f64
+            Ok(completion.iter().zip(answer).filter(|(a, b)| a == b).count() as f64 / n as f64)
         })
     }
 }
@@ -465,7 +469,11 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
         };
         let out = model.generate_until(&ids.to_device(dev)?, cfg.max_completion_length, sampling, &cfg.stop)?;
         for completion in out.tokens {
-            rewards.push((cfg.reward)(prompt, &completion, answer));
+            let r = (cfg.reward)(prompt, &completion, answer).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward of completion {} of prompt {i} (step {}, micro-batch {micro}): {e}", rewards.len() % g, step + 1)))?;
+            if !r.is_finite() {
+                bail!("grpo: the reward function gave {r} for completion {} of prompt {i} (step {}, micro-batch {micro}): rewards must be finite", rewards.len() % g, step + 1)
+            }
+            rewards.push(r);
             docs.push((prompt.to_vec(), completion));
         }
     }

@@ -214,8 +214,19 @@ impl GrpoRun {
 
     /// Samples, rewards and weighs step `step`'s completions (`cfg.grad_accum` micro-batches)
     /// by `model` as it is and keeps them. Collective over the world.
-    pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, dev: &Device) -> Result<()> {
+    pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, (ctx, dev): (&ParallelCtx, &Device)) -> Result<()> {
         let mut r = (0..cfg.grad_accum).map(|micro| super::grpo::rollout(model, &self.cfg, &self.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), dev)).collect::<Result<Vec<_>>>()?;
+        // (every rank must weigh the same rewards: a reward function that is not a function of
+        // its completion would part them silently)
+        let all: Vec<f64> = r.iter().flat_map(|x| x.rewards.iter().copied()).collect();
+        if ctx.world.size() > 1 {
+            let rows = ctx.world.all_gather(&Tensor::from_slice(&all, (1, all.len()), &Device::Cpu)?, 0)?.to_vec2::<f64>()?;
+            for (rank, row) in rows.iter().enumerate() {
+                if let Some(i) = row.iter().zip(&all).position(|(a, b)| a.to_bits() != b.to_bits()) {
+                    bail!("grpo: step {}: rank {rank} scored completion {i} {} where rank {} scored it {}: the reward function must give every rank the same reward for the same completion", step + 1, row[i], ctx.world.rank(), all[i])
+                }
+            }
+        }
         super::grpo::weigh_step(&mut r, &self.cfg)?;
         self.kept = Some(Kept { at: step, rollouts: r });
         Ok(())
@@ -301,7 +312,7 @@ impl GrpoRun {
             let ids = Tensor::from_vec(prompt.repeat(dp), (dp, prompt.len()), dev)?;
             let out = model.generate_until(&ids, self.cfg.max_completion_length, crate::sampling::Sampling::Greedy, &self.cfg.stop)?;
             let completion = out.tokens.first().ok_or_else(|| candle_core::Error::Msg("grpo: no completion".into()))?;
-            total += (self.cfg.reward)(prompt, completion, answer);
+            total += (self.cfg.reward)(prompt, completion, answer)?;
         }
         Ok(Some(total / set.len().max(1) as f64))
     }

@@ -40,7 +40,7 @@ fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
 }
 
 fn capitals() -> super::super::grpo::RewardFn {
-    Arc::new(|_, c, _| c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64)
+    Arc::new(|_, c, _| Ok(c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64))
 }
 
 fn grpo_cfg(level: ImportanceLevel, num_iterations: usize) -> GrpoConfig {
@@ -238,5 +238,53 @@ fn iterations_reuse_completions_on_every_layout() -> Result<()> {
     assert!(run(&bad).unwrap_err().to_string().contains("clip range"));
     bad.grpo = Some(GrpoConfig { num_iterations: 0, ..grpo_cfg(ImportanceLevel::Token, 2) });
     assert!(run(&bad).unwrap_err().to_string().contains("num_iterations"));
+    Ok(())
+}
+
+/// Reward functions at the run's edges: a command's rewards (a shell script counting the
+/// capitals of each completion's text) give zigzag CP 2 the single device's run, the command
+/// asked once per distinct completion however many ranks ask (its log counts the queries); a
+/// reward that differs between ranks (a counter), one that is not finite and one that fails are
+/// refused by name.
+#[test]
+fn reward_functions_are_checked_across_ranks() -> Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let set = reverse_prompts(8, 2)?;
+    let with = |layout: Layout, reward: super::super::grpo::RewardFn| -> TrainConfig {
+        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set.clone()), 48, 3);
+        (c.batch, c.grad_accum, c.seed) = (2, 1, 3);
+        c.grpo = Some(GrpoConfig { reward, ..grpo_cfg(ImportanceLevel::Token, 1) });
+        c
+    };
+    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
+    let dir = std::env::temp_dir().join(format!("cp-grpo-cmd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let script = "while read line; do echo \"$line\" >> \"$0\"; c=${line#*\\\"completion\\\":\\\"}; c=${c%%\\\"*}; printf '%s' \"$c\" | tr -cd 'A-Z' | wc -c; done";
+    let bytes: super::super::reward_command::Decode = Arc::new(|ids: &[u32]| Ok(ids.iter().map(|&t| t as u8 as char).collect()));
+    let mut metrics = Vec::new();
+    for (tag, layout) in [("one", Layout::single()), ("zigzag", Layout::cp(CpKind::Zigzag, 2))] {
+        let log = dir.join(tag);
+        let reward = super::super::reward_command::command("sh", &["-c".into(), script.into(), log.display().to_string()], bytes.clone(), std::time::Duration::from_secs(30))?;
+        let out = run(&with(layout, reward))?;
+        let queries = std::fs::read_to_string(&log)?.lines().count();
+        assert!(queries > 0 && queries <= 3 * 2 * 4, "{tag}: {queries} queries for 24 completions");
+        metrics.push((out[0].metrics.clone(), queries));
+    }
+    assert_eq!(metrics[0].1, metrics[1].1, "each completion asked once on two ranks too");
+    for (a, b) in metrics[0].0.iter().zip(&metrics[1].0) {
+        assert!(a.grpo_reward == b.grpo_reward && a.grpo_reward.is_some_and(|r| r > 0.0) && (a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "step {}: {a:?} vs {b:?}", a.step);
+    }
+    std::fs::remove_dir_all(&dir)?;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter: super::super::grpo::RewardFn = {
+        let calls = calls.clone();
+        Arc::new(move |_, _, _| Ok(calls.fetch_add(1, Ordering::SeqCst) as f64))
+    };
+    let e = run(&with(Layout::cp(CpKind::Zigzag, 2), counter)).unwrap_err().to_string();
+    assert!(e.contains("must give every rank the same reward"), "{e}");
+    let e = run(&with(Layout::single(), Arc::new(|_, _, _| Ok(f64::NAN)))).unwrap_err().to_string();
+    assert!(e.contains("rewards must be finite"), "{e}");
+    let e = run(&with(Layout::single(), Arc::new(|_, _, _| Err(candle_core::Error::Msg("no verifier".into()))))).unwrap_err().to_string();
+    assert!(e.contains("no verifier") && e.contains("the reward of completion 0"), "{e}");
     Ok(())
 }

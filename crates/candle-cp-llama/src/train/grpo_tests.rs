@@ -60,12 +60,12 @@ fn prompts_from_examples_and_rewards() -> Result<()> {
     assert_eq!(set.get(0), Some((&b"ab="[..].iter().map(|&b| b as u32).collect::<Vec<_>>()[..], &[b'B' as u32, b'A' as u32, 2][..])));
     assert!(PromptSet::new(vec![(vec![], vec![1])]).is_err() && PromptSet::new(vec![]).is_err());
     let (e, t) = (rewards::exact_match(), rewards::token_accuracy());
-    assert_eq!((e(&[1], &[5, 6, 2], &[5, 6, 2]), e(&[1], &[5, 6], &[5, 6, 2])), (1.0, 0.0));
-    assert_eq!((t(&[1], &[5, 7, 2], &[5, 6, 2]), t(&[1], &[5, 6, 2, 9], &[5, 6, 2])), (2.0 / 3.0, 0.75));
+    assert_eq!((e(&[1], &[5, 6, 2], &[5, 6, 2])?, e(&[1], &[5, 6], &[5, 6, 2])?), (1.0, 0.0));
+    assert_eq!((t(&[1], &[5, 7, 2], &[5, 6, 2])?, t(&[1], &[5, 6, 2, 9], &[5, 6, 2])?), (2.0 / 3.0, 0.75));
     let f = rewards::finished(vec![2]);
-    assert_eq!((f(&[1], &[5, 2], &[]), f(&[1], &[5, 6], &[])), (1.0, 0.0));
+    assert_eq!((f(&[1], &[5, 2], &[])?, f(&[1], &[5, 6], &[])?), (1.0, 0.0));
     let w = rewards::weighted(vec![(rewards::exact_match(), 2.0), (rewards::token_accuracy(), 0.5), (f, 1.0)]);
-    assert_eq!(w(&[1], &[5, 7, 2], &[5, 6, 2]), 0.5 * 2.0 / 3.0 + 1.0);
+    assert_eq!(w(&[1], &[5, 7, 2], &[5, 6, 2])?, 0.5 * 2.0 / 3.0 + 1.0);
     Ok(())
 }
 
@@ -103,7 +103,7 @@ fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
 /// The test reward: the fraction of a completion's tokens that are capital letters (a random
 /// model writes some, so groups differ; the policy can learn to write more).
 fn capitals() -> RewardFn {
-    Arc::new(|_, c, _| c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64)
+    Arc::new(|_, c, _| Ok(c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64))
 }
 
 /// A rollout on one device: each completion is `generate_until`'s for its prompt (its own
@@ -137,7 +137,7 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
             let s = Sampling::Sample { temperature, top_k, top_p, seed: Rng::derive(seed ^ 3, &[0, 0, p]).next_u64() };
             let ids = Tensor::from_vec(prompt.repeat(4), (4, prompt.len()), &Device::Cpu)?;
             for c in m.generate_until(&ids, 6, s, &[2])?.tokens {
-                docs.push((prompt.to_vec(), c.clone(), (cfg.reward)(prompt, &c, answer)));
+                docs.push((prompt.to_vec(), c.clone(), (cfg.reward)(prompt, &c, answer)?));
             }
         }
         assert_eq!(docs.iter().map(|d| d.2).collect::<Vec<_>>(), r.rewards);
@@ -348,7 +348,7 @@ fn held_out_prompts_are_evaluated_on_every_layout() -> Result<()> {
         for i in 0..held_set.len() {
             let (p, a) = held_set.get(i).expect("prompt");
             let out = m.generate_until(&Tensor::from_vec(p.to_vec(), (1, p.len()), &Device::Cpu)?, 6, Sampling::Greedy, &[2])?;
-            total += capitals()(p, &out.tokens[0], a);
+            total += capitals()(p, &out.tokens[0], a)?;
         }
         Ok(total / held_set.len() as f64)
     });

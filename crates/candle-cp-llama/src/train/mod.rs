@@ -28,6 +28,7 @@ pub mod packed_data;
 mod param_gather;
 pub mod plot;
 pub mod preference;
+pub mod reward_command;
 pub mod rng;
 pub mod schedule;
 pub mod sft;

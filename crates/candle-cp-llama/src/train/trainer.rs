@@ -447,7 +447,7 @@ pub fn train_rank(
         if let Some(g) = grpo.as_mut() {
             if g.samples_at(step)? {
                 param_gather.finish()?;
-                g.sample(&model, cfg, step, &dev)?;
+                g.sample(&model, cfg, step, (&ctx, &dev))?;
             }
         }
         for micro in 0..cfg.grad_accum {
