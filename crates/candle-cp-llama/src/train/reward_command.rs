@@ -26,6 +26,9 @@ use std::time::Duration;
 /// Token ids → text (a tokenizer's decode; byte-level: the bytes as UTF-8, lossy).
 pub type Decode = Arc<dyn Fn(&[u32]) -> Result<String> + Send + Sync>;
 
+/// A query: the prompt's, completion's and answer's ids.
+type Query = (Vec<u32>, Vec<u32>, Vec<u32>);
+
 /// The running command and the answers it gave.
 struct Running {
     name: String,
@@ -33,7 +36,7 @@ struct Running {
     stdin: ChildStdin,
     lines: Receiver<std::io::Result<String>>,
     timeout: Duration,
-    answers: HashMap<(Vec<u32>, Vec<u32>, Vec<u32>), f64>,
+    answers: HashMap<Query, f64>,
 }
 
 impl Drop for Running {
@@ -45,7 +48,7 @@ impl Drop for Running {
 
 impl Running {
     /// The command's number for one query (asked once; later the kept one).
-    fn score(&mut self, key: (Vec<u32>, Vec<u32>, Vec<u32>), line: String) -> Result<f64> {
+    fn score(&mut self, key: Query, line: String) -> Result<f64> {
         if let Some(&r) = self.answers.get(&key) {
             return Ok(r);
         }
