@@ -65,6 +65,10 @@ pub(crate) struct GrpoArgs {
     /// (sequence: GSPO).
     #[arg(long, default_value = "token")]
     pub(crate) importance_sampling_level: String,
+    /// Two-sided clipping (INTELLECT-2, TRL's delta): the unclipped term's ratio capped at
+    /// DELTA (> 1; best above 1 + --epsilon-high).
+    #[arg(long)]
+    pub(crate) delta: Option<f64>,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0), tokens (the fraction of positions that match), finished (1 when the completion
     /// ends with the end-of-sequence id) or command (--reward-command's); several, comma
@@ -137,6 +141,7 @@ impl GrpoArgs {
             epsilon: self.epsilon,
             epsilon_high: self.epsilon_high.unwrap_or(self.epsilon),
             importance_sampling_level: self.importance_sampling_level.parse::<ImportanceLevel>()?,
+            delta: self.delta,
         };
         c.validate()?;
         Ok(Some(c))

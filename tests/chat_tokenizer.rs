@@ -107,6 +107,9 @@ fn check_templates(legacy: bool) -> Result<()> {
             // (GLM: the newline after the marker, the last answer ended by <|endoftext|>)
             ChatTemplate::Glm4 | ChatTemplate::Glm45 => "\nHello.<|user|>\nBob<|endoftext|>".to_string(),
             ChatTemplate::Harmony => "Hello.<|end|>Bob<|return|>".to_string(),
+            // (Qwen3: each answer's think block; Thinking-2507's opened in the prompt)
+            ChatTemplate::Qwen3 => "<think>\n\n</think>\n\nHello.<|im_end|><think>\n\n</think>\n\nBob<|im_end|>".to_string(),
+            ChatTemplate::Qwen3Thinking => "\n</think>\n\nHello.<|im_end|>\n</think>\n\nBob<|im_end|>".to_string(),
             _ => format!("Hello.{0}Bob{0}", t.end_of_turn()),
         };
         assert_eq!(spelled(&marked), spelled(&want), "{} (legacy {legacy})", t.name());

@@ -7,8 +7,8 @@
 //! prompt p ──generate──► o_1 … o_G   rewards r_1 … r_G   A_i = (r_i − mean(r)) / (std(r) + 1e-4)
 //!
 //! rows: [ p o_1 | p o_2 | … | p o_G | padding ]   (each p·o_i a document; o_i's tokens the targets)
-//! loss = Σ_i Σ_{t ∈ o_i} −min(ρ_t·A_i, clip(ρ_t, 1 − ε, 1 + ε_high)·A_i) · k_i
-//!        ρ_t = π(o_i,t) / π_old(o_i,t)   (token level; sequence level: GSPO's
+//! loss = Σ_i Σ_{t ∈ o_i} −min(min(ρ_t, δ)·A_i, clip(ρ_t, 1 − ε, 1 + ε_high)·A_i) · k_i
+//!        ρ_t = π(o_i,t) / π_old(o_i,t)   (δ: INTELLECT-2's cap, none by default; token level; sequence level: GSPO's
 //!              ρ_i = exp(mean_t log(π/π_old)) for every token of o_i)
 //!        k_i = 1 / (|o_i| · n)         grpo     (each completion's mean, then the completions')
 //!        k_i = 1 / Σ_j |o_j|           bnpo     (every completion token alike)
@@ -218,6 +218,10 @@ pub struct GrpoConfig {
     pub epsilon_high: f64,
     /// Per-token ratios or GSPO's per-sequence one (TRL's `importance_sampling_level`).
     pub importance_sampling_level: ImportanceLevel,
+    /// Two-sided clipping (INTELLECT-2; TRL's `delta`): the unclipped term's ratio capped at
+    /// `δ` (> 1, best above `1 + ε_high`), bounding a negative advantage's push on a token the
+    /// policy has made far likelier; `None`: no cap.
+    pub delta: Option<f64>,
 }
 
 impl GrpoConfig {
@@ -239,6 +243,7 @@ impl GrpoConfig {
             epsilon: 0.2,
             epsilon_high: 0.2,
             importance_sampling_level: ImportanceLevel::Token,
+            delta: None,
         }
     }
 }
@@ -259,6 +264,7 @@ impl std::fmt::Debug for GrpoConfig {
             .field("epsilon", &self.epsilon)
             .field("epsilon_high", &self.epsilon_high)
             .field("importance_sampling_level", &self.importance_sampling_level)
+            .field("delta", &self.delta)
             .finish_non_exhaustive()
     }
 }
@@ -298,6 +304,9 @@ impl GrpoConfig {
         }
         if !(self.epsilon > 0.0 && self.epsilon < 1.0 && self.epsilon_high > 0.0 && self.epsilon_high.is_finite()) {
             bail!("grpo: the clip range needs 0 < epsilon < 1 and epsilon_high > 0, got {} and {}", self.epsilon, self.epsilon_high)
+        }
+        if self.delta.is_some_and(|d| !(d > 1.0 && d.is_finite())) {
+            bail!("grpo: delta caps the ratio above 1 (best above 1 + epsilon_high): got {:?}", self.delta)
         }
         if self.sampling == Sampling::Greedy {
             bail!("grpo: greedy decoding gives each group one completion and no advantage: sample (Sampling::Sample)")

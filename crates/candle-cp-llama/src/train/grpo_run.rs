@@ -16,13 +16,16 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// The clipped surrogate of one ratio `r` with advantage `a` and clip range `(ε, ε_high)`:
-/// the derivative of `−min(r·a, clip(r, 1 − ε, 1 + ε_high)·a)` with respect to `nll = −log π`
-/// (`r·a`, or 0 where the clip holds), its value, and whether it is clipped.
-pub fn clipped_surrogate(r: f64, a: f64, (lo, hi): (f64, f64)) -> (f64, f64, bool) {
+/// The clipped surrogate of one ratio `r` with advantage `a`, clip range `(ε, ε_high)` and
+/// two-sided cap `delta`: the derivative of `−min(min(r, δ)·a, clip(r, 1 − ε, 1 + ε_high)·a)`
+/// with respect to `nll = −log π` (`r·a`, or 0 where the clip or the cap holds), its value,
+/// and whether the clip holds.
+pub fn clipped_surrogate(r: f64, a: f64, (lo, hi): (f64, f64), delta: Option<f64>) -> (f64, f64, bool) {
     let c = r.clamp(1.0 - lo, 1.0 + hi);
+    let r1 = delta.map_or(r, |d| r.min(d));
     let clipped = (a > 0.0 && r > 1.0 + hi) || (a < 0.0 && r < 1.0 - lo);
-    (if clipped { 0.0 } else { r * a }, -(r * a).min(c * a), clipped)
+    let capped = delta.is_some_and(|d| r > d);
+    (if clipped || capped { 0.0 } else { r * a }, -(r1 * a).min(c * a), clipped)
 }
 
 /// What a micro-batch's GRPO loss reports ([`Rollout::loss`]).
@@ -119,7 +122,7 @@ impl Rollout {
                         Some(r) => r[k],
                         None => (o[i] as f64 - values[i] as f64).exp(),
                     };
-                    let (g, v, clipped) = clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high));
+                    let (g, v, clipped) = clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high), cfg.delta);
                     sums[3] += self.norms[k] * v;
                     sums[4] += clipped as u8 as f64;
                     self.norms[k] * g

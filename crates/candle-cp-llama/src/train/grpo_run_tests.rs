@@ -10,22 +10,28 @@ use std::sync::Arc;
 
 /// The clipped surrogate: inside the range `−r·a` with derivative `r·a` with respect to the
 /// loss; a positive advantage clipped above `1 + ε_high`, a negative one below `1 − ε` (value
-/// from the clip, derivative 0); the other sides unclipped; the derivative the finite
+/// from the clip, derivative 0); the other sides unclipped; with the two-sided cap δ 1.5 a
+/// negative advantage's ratio above δ held at δ (derivative 0); the derivative the finite
 /// difference of the value in `nll` (`r = e^(old − nll)`).
 #[test]
 fn clipped_surrogate_follows_trls_min() {
     let eps = (0.2, 0.28);
-    for (r, a, clipped) in [(1.1, 2.0, false), (1.3, 2.0, true), (1.3, -2.0, false), (0.7, -1.0, true), (0.7, 1.0, false), (1.25, 0.5, false), (0.85, -0.5, false)] {
-        let (g, v, c) = clipped_surrogate(r, a, eps);
-        assert_eq!(c, clipped, "r {r} a {a}");
-        let want = -(r * a).min(r.clamp(1.0 - eps.0, 1.0 + eps.1) * a);
-        assert!((v - want).abs() < 1e-15, "r {r} a {a}: {v} vs {want}");
-        // ∂/∂nll by central differences (log r = old − nll)
-        let h = 1e-6;
-        let at = |dn: f64| clipped_surrogate(r * (-dn).exp(), a, eps).1;
-        let fd = (at(h) - at(-h)) / (2.0 * h);
-        assert!((g - fd).abs() < 1e-6, "r {r} a {a}: derivative {g} vs {fd}");
+    for delta in [None, Some(1.5)] {
+        for (r, a, clipped) in [(1.1, 2.0, false), (1.3, 2.0, true), (1.3, -2.0, false), (0.7, -1.0, true), (0.7, 1.0, false), (1.25, 0.5, false), (0.85, -0.5, false), (2.0, -1.0, false), (2.0, 1.0, true)] {
+            let (g, v, c) = clipped_surrogate(r, a, eps, delta);
+            assert_eq!(c, clipped, "r {r} a {a}");
+            let r1 = delta.map_or(r, |d: f64| r.min(d));
+            let want = -(r1 * a).min(r.clamp(1.0 - eps.0, 1.0 + eps.1) * a);
+            assert!((v - want).abs() < 1e-15, "r {r} a {a}: {v} vs {want}");
+            // ∂/∂nll by central differences (log r = old − nll)
+            let h = 1e-6;
+            let at = |dn: f64| clipped_surrogate(r * (-dn).exp(), a, eps, delta).1;
+            let fd = (at(h) - at(-h)) / (2.0 * h);
+            assert!((g - fd).abs() < 1e-6, "r {r} a {a} δ {delta:?}: derivative {g} vs {fd}");
+        }
     }
+    // (the cap holds: a negative advantage at r 2 under δ 1.5 pushes no more)
+    assert_eq!(clipped_surrogate(2.0, -1.0, eps, Some(1.5)), (0.0, 1.5, false));
 }
 
 fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
@@ -72,7 +78,9 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             ImportanceLevel::Token => (0.2, 0.28),
             ImportanceLevel::Sequence => (0.03, 0.04),
         };
-        let cfg = GrpoConfig { beta: 0.05, epsilon, epsilon_high, ..grpo_cfg(level, 2) };
+        // (per token, INTELLECT-2's cap too)
+        let delta = (level == ImportanceLevel::Token).then_some(1.5);
+        let cfg = GrpoConfig { beta: 0.05, epsilon, epsilon_high, delta, ..grpo_cfg(level, 2) };
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
             let dev = Device::Cpu;
@@ -129,7 +137,11 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             };
             let ratio = ratio.reshape(n)?;
             let clip = ratio.clamp(1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)?;
-            let surrogate = (ratio.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()? * &keep)?;
+            let capped = match cfg.delta {
+                Some(d) => ratio.minimum(d)?,
+                None => ratio.clone(),
+            };
+            let surrogate = (capped.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()? * &keep)?;
             let d = (&nll - &old_t)?;
             let k3 = (((d.exp()? - &d)? - 1.0)? * &keep)?;
             let direct = ((surrogate + (k3 * cfg.beta)?)? * &k)?.sum_all()?;

@@ -97,6 +97,7 @@ fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
         epsilon: 0.2,
         epsilon_high: 0.2,
         importance_sampling_level: ImportanceLevel::Token,
+        delta: None,
     }
 }
 

@@ -225,6 +225,12 @@ mod tests {
             let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
             // (GLM: the newline after the marker, the last answer ended by <|endoftext|>)
             let (sp, last) = if matches!(t, ChatTemplate::Glm4 | ChatTemplate::Glm45) { ("\n", "<|endoftext|>") } else { (sp, eot) };
+            // (Qwen3: each answer's think block a target, but Thinking-2507's `<think>\n`)
+            let sp = match t {
+                ChatTemplate::Qwen3 => "<think>\n\n</think>\n\n",
+                ChatTemplate::Qwen3Thinking => "\n</think>\n\n",
+                _ => sp,
+            };
             // (harmony: an answer before the last ends with <|end|>)
             let mid = if t == ChatTemplate::Harmony { "<|end|>" } else { eot };
             assert_eq!(marked(&ex[0])?, format!("{sp}A1{mid}{sp}A2{last}"), "{}", t.name());
