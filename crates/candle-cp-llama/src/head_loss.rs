@@ -142,15 +142,31 @@ fn chunked_backward(
 /// `softcap`: the logits soft-capped to `cap · tanh(l / cap)` before the softmax (Gemma 2's
 /// `final_logit_softcapping`), `None` for none.
 pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>) -> Result<Tensor> {
-    Ok(token_nll_stats(x, w, labels, chunk_rows, softcap, false)?.0)
+    Ok(token_nll_stats(x, w, labels, chunk_rows, softcap, None)?.0)
+}
+
+/// A per-row statistic of the softmax computed beside the losses from the same chunks of
+/// logits (one more pass over each, no more matmuls), f32, detached, 0 where the label is
+/// [`IGNORE`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadStat {
+    /// `log Σ_v p_v²` (WPO's weight adjustment).
+    SumSq,
+    /// The entropy `−Σ_v p_v·log p_v` (GRPO's high-entropy tokens).
+    Entropy,
+}
+
+/// [`token_nll`] and `stat` of the same rows, f32 `[N]` ([`HeadStat`]).
+pub fn token_nll_stat(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>, stat: HeadStat) -> Result<(Tensor, Tensor)> {
+    let (nll, st) = token_nll_stats(x, w, labels, chunk_rows, softcap, Some(stat))?;
+    Ok((nll, st.ok_or_else(|| candle_core::Error::Msg("token_nll_stat: no statistics".into()))?))
 }
 
 /// [`token_nll`] and, per row, `log Σ_v p_v²` of the softmax (WPO's weight adjustment,
 /// `logsumexp(2 · log p)`), f32 `[N]`, detached, 0 where the label is [`IGNORE`]: one more
 /// pass over each chunk's logits, no more matmuls.
 pub fn token_nll_sq(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
-    let (nll, sq) = token_nll_stats(x, w, labels, chunk_rows, softcap, true)?;
-    Ok((nll, sq.ok_or_else(|| candle_core::Error::Msg("token_nll_sq: no statistics".into()))?))
+    token_nll_stat(x, w, labels, chunk_rows, softcap, HeadStat::SumSq)
 }
 
 /// `log Σ_v p_v² = logsumexp(2·l) − 2·lse` per row, `[c, 1]`, from a chunk's logits `l` and
@@ -159,8 +175,23 @@ fn sq_of(l: &Tensor, lse: &Tensor) -> Result<Tensor> {
     logsumexp_keepdim(&(l * 2.0)?, 1)? - (lse * 2.0)?
 }
 
-/// [`token_nll`], with [`token_nll_sq`]'s statistic when `want_sq`.
-fn token_nll_stats(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>, want_sq: bool) -> Result<(Tensor, Option<Tensor>)> {
+/// The entropy `lse − Σ_v softmax(l)_v·l_v` per row, `[c, 1]`, from a chunk's logits `l` and
+/// their `lse`.
+fn entropy_of(l: &Tensor, lse: &Tensor) -> Result<Tensor> {
+    lse - (l.broadcast_sub(lse)?.exp()? * l)?.sum_keepdim(1)?
+}
+
+/// `stat` of a chunk's logits `l` with their `lse`.
+fn stat_of(stat: HeadStat, l: &Tensor, lse: &Tensor) -> Result<Tensor> {
+    match stat {
+        HeadStat::SumSq => sq_of(l, lse),
+        HeadStat::Entropy => entropy_of(l, lse),
+    }
+}
+
+/// [`token_nll`], with `stat` when asked.
+fn token_nll_stats(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>, stat: Option<HeadStat>) -> Result<(Tensor, Option<Tensor>)> {
+    let want_sq = stat.is_some();
     let (n, _, v) = check(x, w, labels, "token_nll")?;
     check_cap(softcap, "token_nll")?;
     let lab: Vec<u32> = labels.to_dtype(DType::U32)?.to_vec1()?;
@@ -182,8 +213,8 @@ fn token_nll_stats(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, s
         let l = chunk_logits(&xs, &wd, r0, c, softcap)?;
         let s = logsumexp_keepdim(&l, 1)?; // [c, 1]
         nll.push((&s - l.gather(&tgt_t.narrow(0, r0, c)?, 1)?)?);
-        if want_sq {
-            sq.push(sq_of(&l, &s)?);
+        if let Some(st) = stat {
+            sq.push(stat_of(st, &l, &s)?);
         }
         lse.push(s);
     }
@@ -236,7 +267,7 @@ pub fn token_nll_vocab_parallel(
     own_rows_only: bool,
     softcap: Option<f64>,
 ) -> Result<Tensor> {
-    Ok(token_nll_vocab_parallel_stats(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), false)?.0)
+    Ok(token_nll_vocab_parallel_stats(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), None)?.0)
 }
 
 /// [`token_nll_vocab_parallel`] and [`token_nll_sq`]'s statistic of the same rows, `log Σ_v
@@ -253,8 +284,26 @@ pub fn token_nll_vocab_parallel_sq(
     own_rows_only: bool,
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
-    let (nll, sq) = token_nll_vocab_parallel_stats(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), true)?;
-    Ok((nll, sq.ok_or_else(|| candle_core::Error::Msg("token_nll_vocab_parallel_sq: no statistics".into()))?))
+    token_nll_vocab_parallel_stat(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), HeadStat::SumSq)
+}
+
+/// [`token_nll_vocab_parallel`] and `stat` of the same rows over the whole vocabulary, merged
+/// over the group by one more all-gather of a row per slice (`log Σ p²`: each slice's
+/// `logsumexp(2·l)`; the entropy: each slice's `Σ softmax_r(l)·l`, weighted by `e^(lse_r −
+/// lse)`), detached. Collective over `group`.
+#[allow(clippy::too_many_arguments)]
+pub fn token_nll_vocab_parallel_stat(
+    x: &Tensor,
+    w: &Tensor,
+    labels: &Tensor,
+    vocab: usize,
+    chunk_rows: usize,
+    group: &candle_cp_comm::Group,
+    (own_rows_only, softcap): (bool, Option<f64>),
+    stat: HeadStat,
+) -> Result<(Tensor, Tensor)> {
+    let (nll, st) = token_nll_vocab_parallel_stats(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), Some(stat))?;
+    Ok((nll, st.ok_or_else(|| candle_core::Error::Msg("token_nll_vocab_parallel_stat: no statistics".into()))?))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -266,9 +315,10 @@ fn token_nll_vocab_parallel_stats(
     chunk_rows: usize,
     group: &candle_cp_comm::Group,
     (own_rows_only, softcap): (bool, Option<f64>),
-    want_sq: bool,
+    stat: Option<HeadStat>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     const WHAT: &str = "token_nll_vocab_parallel";
+    let want_sq = stat.is_some();
     check_cap(softcap, WHAT)?;
     let (b, tc, hd) = x.dims3()?;
     let (p, r) = (group.size(), group.rank());
@@ -308,19 +358,29 @@ fn token_nll_vocab_parallel_stats(
     let here: Vec<f32> = mine.iter().map(|&h| if h { 1.0 } else { 0.0 }).collect();
     let col_t = Tensor::new(col.as_slice(), &dev)?.reshape((m, 1))?;
     let here_t = Tensor::new(here.as_slice(), &dev)?.reshape((m, 1))?;
-    // (with want_sq, each slice's logsumexp(2·l) beside its lse: rows [2, m])
+    // (with a statistic, each slice's part beside its lse: rows [2, m] — logsumexp(2·l), or
+    // Σ softmax_r(l)·l)
     let (lse_r, t_r) = if real == 0 {
         // a slice of padding only: no probability mass, no target
-        (Tensor::full(f32::NEG_INFINITY, (1 + want_sq as usize, m), &dev)?, Tensor::zeros(m, DType::F32, &dev)?)
+        let none = Tensor::full(f32::NEG_INFINITY, (1, m), &dev)?;
+        let lse_r = match stat {
+            Some(HeadStat::SumSq) => Tensor::cat(&[&none, &none], 0)?,
+            Some(HeadStat::Entropy) => Tensor::cat(&[&none, &Tensor::zeros((1, m), DType::F32, &dev)?], 0)?,
+            None => none,
+        };
+        (lse_r, Tensor::zeros(m, DType::F32, &dev)?)
     } else {
         let (mut lse_r, mut s2_r, mut t_r) = (Vec::new(), Vec::new(), Vec::new());
         for r0 in (0..m).step_by(chunk) {
             let c = chunk.min(m - r0);
             let l = chunk_logits(&xs, &wd, r0, c, softcap)?;
-            lse_r.push(logsumexp_keepdim(&l, 1)?); // [c, 1]
-            if want_sq {
-                s2_r.push(logsumexp_keepdim(&(&l * 2.0)?, 1)?);
+            let s = logsumexp_keepdim(&l, 1)?; // [c, 1]
+            match stat {
+                Some(HeadStat::SumSq) => s2_r.push(logsumexp_keepdim(&(&l * 2.0)?, 1)?),
+                Some(HeadStat::Entropy) => s2_r.push((l.broadcast_sub(&s)?.exp()? * &l)?.sum_keepdim(1)?),
+                None => {}
             }
+            lse_r.push(s);
             t_r.push((l.gather(&col_t.narrow(0, r0, c)?, 1)? * here_t.narrow(0, r0, c)?)?);
         }
         let lse_r = Tensor::cat(&lse_r, 0)?.reshape((1, m))?;
@@ -337,14 +397,20 @@ fn token_nll_vocab_parallel_stats(
     let target = group.all_reduce(&t_r.contiguous()?)?;
     let nll = (lse.reshape(m)? - target)?;
     let out = own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &nll, 0)?)?;
-    let sq = match want_sq {
-        true => {
+    let merged = match stat {
+        Some(HeadStat::SumSq) => {
             let s2 = logsumexp_keepdim(&all.narrow(1, 1, 1)?.squeeze(1)?, 0)?.reshape(m)?;
-            let sq = (s2 - (lse.reshape(m)? * 2.0)?)?;
-            Some(own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &sq, 0)?)?)
+            Some((s2 - (lse.reshape(m)? * 2.0)?)?)
         }
-        false => None,
+        Some(HeadStat::Entropy) => {
+            // Σ_v p_v·l_v = Σ_r e^(lse_r − lse) · Σ_{v ∈ r} softmax_r(l)_v·l_v
+            let weight = all.narrow(1, 0, 1)?.squeeze(1)?.broadcast_sub(&lse.reshape((1, m))?)?.exp()?;
+            let mean = (weight * all.narrow(1, 1, 1)?.squeeze(1)?)?.sum(0)?;
+            Some((lse.reshape(m)? - mean)?)
+        }
+        None => None,
     };
+    let sq = merged.map(|q| own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &q, 0)?)).transpose()?;
     let minus_here = here_t.neg()?;
     let (xs_b, w_b, x_dims, group) = (xs.clone(), wd.clone(), x.dims().to_vec(), group.clone());
     let w_dims = w.dims().to_vec();
@@ -398,175 +464,5 @@ pub fn token_nll_slow(x: &Tensor, w: &Tensor, labels: &Tensor, softcap: Option<f
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::{Device, Var};
-    use candle_cp_ops::oracle::randn;
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
-    }
-
-    /// values and gradients (w.r.t. x and W) equal the full-logits reference, for chunks of
-    /// 1, 3 and all rows, with ignored labels, f32 and bf16, with and without a soft cap
-    #[test]
-    fn token_nll_matches_slow() -> Result<()> {
-        let (n, h, v) = (7, 6, 11);
-        let labels = Tensor::new(&[3u32, IGNORE, 0, 10, IGNORE, 5, 5], &Device::Cpu)?;
-        for ((dt, tol), cap) in [(DType::F32, 2e-6f32), (DType::BF16, 2e-2)].into_iter().flat_map(|d| [(d, None), (d, Some(1.5))]) {
-            let x = Var::from_tensor(&randn(1, &[n, h], 1.0)?.to_dtype(dt)?)?;
-            let w = Var::from_tensor(&randn(2, &[v, h], 0.7)?.to_dtype(dt)?)?;
-            let dy = randn(3, &[n], 1.0)?;
-            let want = token_nll_slow(x.as_tensor(), w.as_tensor(), &labels, cap)?;
-            if cap.is_some() {
-                // the cap changes the loss at these logits
-                let plain = token_nll_slow(x.as_tensor(), w.as_tensor(), &labels, None)?;
-                assert!(max_diff(&plain, &want)? > 0.1, "the cap does not bend these logits");
-            }
-            let gw = (&want * &dy)?.sum_all()?.backward()?;
-            for chunk in [1, 3, 64] {
-                let got = token_nll(x.as_tensor(), w.as_tensor(), &labels, chunk, cap)?;
-                assert_eq!(got.dims(), [n]);
-                let d = max_diff(&got, &want)?;
-                assert!(d <= tol, "{dt:?} cap {cap:?} chunk {chunk}: values differ by {d}");
-                let g = (&got * &dy)?.sum_all()?.backward()?;
-                for (name, t) in [("dx", x.as_tensor()), ("dW", w.as_tensor())] {
-                    let d = max_diff(g.get(t).expect("grad"), gw.get(t).expect("grad"))?;
-                    assert!(d <= tol * 4.0, "{dt:?} cap {cap:?} chunk {chunk}: {name} differs by {d}");
-                }
-            }
-            // ignored rows are exactly zero
-            let got = token_nll(x.as_tensor(), w.as_tensor(), &labels, 2, cap)?.to_vec1::<f32>()?;
-            assert_eq!((got[1], got[4]), (0.0, 0.0));
-        }
-        Ok(())
-    }
-
-    /// The vocabulary-parallel loss over 2 and 4 ranks, with own rows (SP) and without,
-    /// chunks of 1 and all rows, for vocabularies of 12 (split evenly), 10 (padded: 3 rows per
-    /// rank) and 5 (over 4 ranks: the last rank holds padding only): values equal the
-    /// full-logits reference, and the input and head gradients (input partials summed over the
-    /// ranks, head slices, zero on padding) equal its gradients.
-    #[test]
-    fn vocab_parallel_matches_slow() -> Result<()> {
-        for v in [12usize, 10, 5] {
-            vocab_parallel_matches_slow_of(v, None)?;
-        }
-        vocab_parallel_matches_slow_of(10, Some(1.5))
-    }
-
-    fn vocab_parallel_matches_slow_of(v: usize, cap: Option<f64>) -> Result<()> {
-        let (b, tc, h) = (2usize, 4usize, 5usize);
-        let lab = [[3u32, IGNORE, 0, 11], [7, 7, IGNORE, 5]].map(|r| r.map(|l| if l == IGNORE { l } else { l % v as u32 }));
-        let labels = Tensor::new(&lab, &Device::Cpu)?;
-        let x = Var::from_tensor(&randn(1, &[b, tc, h], 1.0)?)?;
-        let w = Var::from_tensor(&randn(2, &[v, h], 0.7)?)?;
-        let dy = randn(3, &[b, tc], 1.0)?;
-        let want = token_nll_slow(&x.as_tensor().reshape((b * tc, h))?, w.as_tensor(), &labels.flatten_all()?, cap)?.reshape((b, tc))?;
-        let gw = (&want * &dy)?.sum_all()?.backward()?;
-        let (gx_want, gw_want) = (gw.get(x.as_tensor()).cloned().expect("dx"), gw.get(w.as_tensor()).cloned().expect("dW"));
-        let shard = candle_cp_nn::Shard::RowsPadded(v);
-        for p in [2usize, 4] {
-            for own in [false, true] {
-                for chunk in [1usize, 64] {
-                    let res = candle_cp_comm::run_ranks(p, |g| {
-                        let r = g.rank();
-                        let wl = Var::from_tensor(&shard.slice(w.as_tensor(), p, r)?)?;
-                        let xr = Var::from_tensor(x.as_tensor())?;
-                        let got = token_nll_vocab_parallel(xr.as_tensor(), wl.as_tensor(), &labels, v, chunk, &g, own, cap)?;
-                        let ts = if own { tc / p } else { tc };
-                        let (want_l, dy_l) = if own {
-                            (want.narrow(1, r * ts, ts)?, dy.narrow(1, r * ts, ts)?)
-                        } else {
-                            (want.clone(), dy.clone())
-                        };
-                        let e = max_diff(&got, &want_l)?;
-                        let gr = (&got * &dy_l)?.sum_all()?.backward()?;
-                        // each rank's input gradient is the part through its vocabulary
-                        // slice: they add up to the whole (the model's gather / copy to the TP
-                        // region sums them in backward); its head slice's gradient is complete
-                        let gx = g.all_reduce(gr.get(xr.as_tensor()).expect("dx"))?;
-                        let ex = max_diff(&gx, &gx_want)?;
-                        let gwl = gr.get(wl.as_tensor()).expect("dW").clone();
-                        let ew = max_diff(&gwl, &shard.slice(&gw_want, p, r)?)?;
-                        Ok((e, ex, ew))
-                    });
-                    for res in res {
-                        let (e, ex, ew) = res?;
-                        assert!(e < 2e-6 && ex < 1e-5 && ew < 1e-5, "V {v} P {p} own {own} chunk {chunk} cap {cap:?}: values {e} dx {ex} dW {ew}");
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    #[test]
-    fn no_valid_label_and_bad_input() -> Result<()> {
-        let x = Var::from_tensor(&randn(1, &[3, 4], 1.0)?)?;
-        let w = Var::from_tensor(&randn(2, &[5, 4], 1.0)?)?;
-        let none = Tensor::new(&[IGNORE; 3], &Device::Cpu)?;
-        let z = token_nll(x.as_tensor(), w.as_tensor(), &none, 4, None)?;
-        assert_eq!(z.to_vec1::<f32>()?, vec![0.0; 3]);
-        let g = z.sum_all()?.backward()?;
-        assert_eq!(max_diff(g.get(x.as_tensor()).expect("still in the graph"), &Tensor::zeros((3, 4), DType::F32, &Device::Cpu)?)?, 0.0);
-        let out_of_vocab = Tensor::new(&[1u32, 5, 0], &Device::Cpu)?;
-        let e = token_nll(x.as_tensor(), w.as_tensor(), &out_of_vocab, 4, None).unwrap_err().to_string();
-        assert!(e.contains("label 5 out of range for vocab 5"), "{e}");
-        let short = Tensor::new(&[1u32, 2], &Device::Cpu)?;
-        let e = token_nll(x.as_tensor(), w.as_tensor(), &short, 4, None).unwrap_err().to_string();
-        assert!(e.contains("[3, 4]") && e.contains("[2]"), "{e}");
-        for bad in [0.0, -1.0, f64::NAN] {
-            let e = token_nll(x.as_tensor(), w.as_tensor(), &out_of_vocab.narrow(0, 0, 1)?.repeat(3)?, 4, Some(bad)).unwrap_err().to_string();
-            assert!(e.contains("soft cap"), "{e}");
-        }
-        Ok(())
-    }
-
-    /// WPO's statistic `log Σ_v p_v²` per row equals `logsumexp(2 · log_softmax(l))` of the full
-    /// logits (capped or not, 0 on ignored rows), from [`token_nll_sq`] in chunks of 1 and all
-    /// rows and from [`token_nll_vocab_parallel_sq`] over 2 and 4 ranks (vocabularies of 12 and
-    /// 5: a rank of padding only), own rows or not; the losses beside it are [`token_nll`]'s.
-    #[test]
-    fn squared_probability_statistic_matches_the_logits() -> Result<()> {
-        let (b, tc, h) = (2usize, 4usize, 5usize);
-        for (v, cap) in [(12usize, None), (5, None), (10, Some(1.5))] {
-            let lab = [[3u32, IGNORE, 0, 11], [7, 7, IGNORE, 5]].map(|r| r.map(|l| if l == IGNORE { l } else { l % v as u32 }));
-            let labels = Tensor::new(&lab, &Device::Cpu)?.flatten_all()?;
-            let x = randn(1, &[b * tc, h], 1.0)?;
-            let w = randn(2, &[v, h], 2.0)?;
-            let logits = x.matmul(&w.t()?)?;
-            let logits = match cap {
-                Some(c) => cap_logits(&logits, c)?,
-                None => logits,
-            };
-            let lsm = candle_nn::ops::log_softmax(&logits, 1)?;
-            let keep: Vec<f32> = lab.iter().flatten().map(|&l| (l != IGNORE) as u8 as f32).collect();
-            let want = (logsumexp_keepdim(&(lsm * 2.0)?, 1)?.reshape(b * tc)? * Tensor::new(keep, &Device::Cpu)?)?;
-            for chunk in [1, 64] {
-                let (nll, sq) = token_nll_sq(&x, &w, &labels, chunk, cap)?;
-                assert!(max_diff(&sq, &want)? < 2e-6 && max_diff(&nll, &token_nll(&x, &w, &labels, chunk, cap)?)? == 0.0, "V {v} chunk {chunk}");
-            }
-            assert!(want.to_vec1::<f32>()?.iter().any(|&q| q < -0.5), "a spread distribution somewhere");
-            for p in [2usize, 4] {
-                for own in [false, true] {
-                    let res = candle_cp_comm::run_ranks(p, |g| {
-                        let wl = candle_cp_nn::Shard::RowsPadded(v).slice(&w, p, g.rank())?;
-                        let x3 = x.reshape((b, tc, h))?;
-                        let labels2 = labels.reshape((b, tc))?;
-                        let (nll, sq) = token_nll_vocab_parallel_sq(&x3, &wl, &labels2, v, 3, &g, own, cap)?;
-                        let plain = token_nll_vocab_parallel(&x3, &wl, &labels2, v, 3, &g, own, cap)?;
-                        let ts = if own { tc / p } else { tc };
-                        let want = want.reshape((b, tc))?.narrow(1, if own { g.rank() * ts } else { 0 }, ts)?;
-                        Ok((max_diff(&sq, &want)?, max_diff(&nll, &plain)?))
-                    });
-                    for r in res {
-                        let (e, n) = r?;
-                        assert!(e < 2e-6 && n == 0.0, "V {v} P {p} own {own}: statistic {e}, losses {n}");
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-}
+#[path = "head_loss_tests.rs"]
+mod tests;

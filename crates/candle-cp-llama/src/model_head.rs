@@ -112,18 +112,18 @@ impl Llama {
         positions: &Tensor,
         docs: Option<&[Documents]>,
     ) -> Result<Tensor> {
-        Ok(self.token_nll_stats_with(input_ids, labels, positions, docs, false)?.0)
+        Ok(self.token_nll_stats_with(input_ids, labels, positions, docs, None)?.0)
     }
 
-    /// [`Llama::token_nll_with`] and, with `want_sq`, each token's `log Σ_v p_v²`
-    /// ([`crate::head_loss::token_nll_sq`]), f32 `[B, Ts]`, detached.
+    /// [`Llama::token_nll_with`] and, with `stat`, each token's statistic of the softmax
+    /// ([`crate::head_loss::HeadStat`]), f32 `[B, Ts]`, detached.
     pub(crate) fn token_nll_stats_with(
         &self,
         input_ids: &Tensor,
         labels: &Tensor,
         positions: &Tensor,
         docs: Option<&[Documents]>,
-        want_sq: bool,
+        stat: Option<crate::head_loss::HeadStat>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let h = self.head_input(self.hidden_with(input_ids, positions, docs)?)?;
         let (b, ts, hd) = h.dims3()?;
@@ -140,16 +140,16 @@ impl Llama {
             let v = self.cfg.vocab_size;
             let chunk = crate::head_loss::default_chunk_rows(candle_cp_nn::padded_rows(v, g.size()));
             let (x, cap) = (self.head_region(&h)?, self.cfg.final_logit_softcap());
-            return match want_sq {
-                true => crate::head_loss::token_nll_vocab_parallel_sq(&x, &self.lm_head, &labels_region, v, chunk, g, sp, cap).map(|(n, q)| (n, Some(q))),
-                false => Ok((crate::head_loss::token_nll_vocab_parallel(&x, &self.lm_head, &labels_region, v, chunk, g, sp, cap)?, None)),
+            return match stat {
+                Some(st) => crate::head_loss::token_nll_vocab_parallel_stat(&x, &self.lm_head, &labels_region, v, chunk, g, (sp, cap), st).map(|(n, q)| (n, Some(q))),
+                None => Ok((crate::head_loss::token_nll_vocab_parallel(&x, &self.lm_head, &labels_region, v, chunk, g, sp, cap)?, None)),
             };
         }
         let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size);
         let (x, labels) = (h.reshape((b * ts, hd))?, labels.flatten_all()?);
-        let (nll, sq) = match want_sq {
-            true => crate::head_loss::token_nll_sq(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap()).map(|(n, q)| (n, Some(q)))?,
-            false => (crate::head_loss::token_nll(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap())?, None),
+        let (nll, sq) = match stat {
+            Some(st) => crate::head_loss::token_nll_stat(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap(), st).map(|(n, q)| (n, Some(q)))?,
+            None => (crate::head_loss::token_nll(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap())?, None),
         };
         Ok((nll.reshape((b, ts))?, sq.map(|q| q.reshape((b, ts))).transpose()?))
     }

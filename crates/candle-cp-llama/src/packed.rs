@@ -147,8 +147,16 @@ impl Llama {
     /// ([`crate::head_loss::token_nll_sq`]; over a vocabulary split by TP, one more small
     /// all-gather).
     pub fn token_nll_packed_sq(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor, docs: &[Documents]) -> Result<(Tensor, Tensor)> {
-        let (nll, sq) = self.token_nll_stats_with(input_ids, labels, positions, Some(docs), true)?;
-        Ok((nll, sq.ok_or_else(|| candle_core::Error::Msg("Llama::token_nll_packed_sq: no statistics".into()))?))
+        self.token_nll_packed_stat(input_ids, labels, positions, docs, crate::head_loss::HeadStat::SumSq)
+    }
+
+    /// [`Llama::token_nll_packed`] and each token's `stat` under the model
+    /// ([`crate::head_loss::HeadStat`]: `log Σ_v p_v²`, or the entropy of GRPO's
+    /// high-entropy tokens), f32 `[B, Ts]`, detached (0 where the label is [`IGNORE`]; over a
+    /// vocabulary split by TP, one more small all-gather).
+    pub fn token_nll_packed_stat(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor, docs: &[Documents], stat: crate::head_loss::HeadStat) -> Result<(Tensor, Tensor)> {
+        let (nll, st) = self.token_nll_stats_with(input_ids, labels, positions, Some(docs), Some(stat))?;
+        Ok((nll, st.ok_or_else(|| candle_core::Error::Msg("Llama::token_nll_packed_stat: no statistics".into()))?))
     }
 
     /// [`Llama::loss`] of packed rows: `(loss, logits [B, Ts, V])`, the loss the global mean
