@@ -69,6 +69,10 @@ pub(crate) struct GrpoArgs {
     /// DELTA (> 1; best above 1 + --epsilon-high).
     #[arg(long)]
     pub(crate) delta: Option<f64>,
+    /// Train on this fraction of each micro-batch's completion tokens, those of highest
+    /// entropy under the policy (TRL's top_entropy_quantile; 1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) top_entropy_quantile: f64,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0), tokens (the fraction of positions that match), finished (1 when the completion
     /// ends with the end-of-sequence id) or command (--reward-command's); several, comma
@@ -142,6 +146,7 @@ impl GrpoArgs {
             epsilon_high: self.epsilon_high.unwrap_or(self.epsilon),
             importance_sampling_level: self.importance_sampling_level.parse::<ImportanceLevel>()?,
             delta: self.delta,
+            top_entropy_quantile: self.top_entropy_quantile,
         };
         c.validate()?;
         Ok(Some(c))

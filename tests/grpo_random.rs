@@ -4,7 +4,7 @@
 //! the batch or not; 2 or 4 completions of 1 or 2 prompts, 4 or 6 tokens at most, temperature
 //! 1 or 0.7 with or without top-k; the KL term or not; truncated completions masked or not; 1, 2 or 3 iterations per generation,
 //! the clipped ratio per token or per sequence (GSPO), ε_high 0.2 or 0.28, the two-sided cap δ 1.5
-//! or none) follow the single-device run of the same
+//! or none; every token trained or the top half by entropy) follow the single-device run of the same
 //! prompts step by step: the same completions (rewards and lengths), the objective to 1e-6 and
 //! the gradient norm to 1e-4 relative above 1 (10x after updates), on every rank. Sampling
 //! draws the same tokens from logits that differ by rounding, except where a draw falls within
@@ -60,6 +60,7 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         epsilon_high: pick(d, &[0.2, 0.28]),
         importance_sampling_level: pick(d, &[ImportanceLevel::Token, ImportanceLevel::Sequence]),
         delta: pick(d, &[None, Some(1.5)]),
+        top_entropy_quantile: pick(d, &[1.0, 0.5]),
     }
 }
 

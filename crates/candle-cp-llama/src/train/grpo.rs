@@ -222,6 +222,13 @@ pub struct GrpoConfig {
     /// `δ` (> 1, best above `1 + ε_high`), bounding a negative advantage's push on a token the
     /// policy has made far likelier; `None`: no cap.
     pub delta: Option<f64>,
+    /// Train on the completion tokens of highest entropy only (TRL's `top_entropy_quantile`,
+    /// Wang et al. 2025, "Beyond the 80/20 rule"): the policy term of the tokens whose entropy
+    /// under the policy is below the `1 − ρ` quantile of the micro-batch's completion tokens
+    /// (over every rank; a token within [`super::grpo_run::ENTROPY_TIE`] of it, relative,
+    /// counts as at it, so that rounding does not split equal entropies between layouts) left
+    /// out, their KL term kept; 1: every token.
+    pub top_entropy_quantile: f64,
 }
 
 impl GrpoConfig {
@@ -244,6 +251,7 @@ impl GrpoConfig {
             epsilon_high: 0.2,
             importance_sampling_level: ImportanceLevel::Token,
             delta: None,
+            top_entropy_quantile: 1.0,
         }
     }
 }
@@ -265,6 +273,7 @@ impl std::fmt::Debug for GrpoConfig {
             .field("epsilon_high", &self.epsilon_high)
             .field("importance_sampling_level", &self.importance_sampling_level)
             .field("delta", &self.delta)
+            .field("top_entropy_quantile", &self.top_entropy_quantile)
             .finish_non_exhaustive()
     }
 }
@@ -307,6 +316,9 @@ impl GrpoConfig {
         }
         if self.delta.is_some_and(|d| !(d > 1.0 && d.is_finite())) {
             bail!("grpo: delta caps the ratio above 1 (best above 1 + epsilon_high): got {:?}", self.delta)
+        }
+        if !(self.top_entropy_quantile > 0.0 && self.top_entropy_quantile <= 1.0) {
+            bail!("grpo: top_entropy_quantile is the fraction of tokens trained, in (0, 1], got {}", self.top_entropy_quantile)
         }
         if self.sampling == Sampling::Greedy {
             bail!("grpo: greedy decoding gives each group one completion and no advantage: sample (Sampling::Sample)")

@@ -28,6 +28,22 @@ pub fn clipped_surrogate(r: f64, a: f64, (lo, hi): (f64, f64), delta: Option<f64
     (if clipped || capped { 0.0 } else { r * a }, -(r1 * a).min(c * a), clipped)
 }
 
+/// The relative distance below the entropy threshold within which a token counts as at it
+/// ([`GrpoConfig::top_entropy_quantile`]).
+pub const ENTROPY_TIE: f64 = 1e-5;
+
+/// The `q` quantile of `x` (linear between the order statistics, as `torch.quantile`);
+/// `None` for no value.
+pub fn quantile(mut x: Vec<f64>, q: f64) -> Option<f64> {
+    if x.is_empty() {
+        return None;
+    }
+    x.sort_by(f64::total_cmp);
+    let pos = q.clamp(0.0, 1.0) * (x.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    Some(x[lo] + (x[hi] - x[lo]) * (pos - lo as f64))
+}
+
 /// What a micro-batch's GRPO loss reports ([`Rollout::loss`]).
 pub(crate) struct GrpoTerms {
     /// The node to back-propagate (its value TRL's loss).
@@ -69,15 +85,18 @@ impl Rollout {
     /// The micro-batch's loss node: `Σ_t w_t·nll_t` over this rank's completion targets (`nll`
     /// its per-token losses, flattened, on the compute device; `labels` and `marks` the
     /// shard's, as the trainer has them), `w_t` the clipped surrogate's derivative
-    /// `k_i·A_i·ρ` (or `k_i·A_i` before `π_old` is recorded: the ratio 1) plus, with `beta` >
-    /// 0 and the reference's per-token losses `ref_nll`, the KL term's `k_i·β·(e^(ref − log π)
-    /// − 1)`, shifted so that its value is TRL's loss. Collective over `group` (the ranks
-    /// holding distinct tokens) with the KL term or a ratio.
-    pub(crate) fn loss(&self, nll: &Tensor, ref_nll: Option<&[f32]>, cfg: &GrpoConfig, (labels, marks): (&[u32], &[u32]), ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<GrpoTerms> {
+    /// `k_i·A_i·ρ` (or `k_i·A_i` before `π_old` is recorded: the ratio 1; 0 for a token below
+    /// the entropy quantile, `entropy` the policy's per-token entropies, with
+    /// `top_entropy_quantile` < 1) plus, with `beta` > 0 and the reference's per-token losses
+    /// `ref_nll`, the KL term's `k_i·β·(e^(ref − log π) − 1)`, shifted so that its value is
+    /// TRL's loss. Collective over `group` (the ranks holding distinct tokens) with the KL
+    /// term, a ratio or the entropy quantile.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn loss(&self, nll: &Tensor, (ref_nll, entropy): (Option<&[f32]>, Option<&[f32]>), cfg: &GrpoConfig, (labels, marks): (&[u32], &[u32]), ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<GrpoTerms> {
         let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
         let n = slots.len();
-        if n != nll.elem_count() || labels.len() != n || marks.len() != n || ref_nll.is_some_and(|r| r.len() != n) {
-            bail!("grpo: {} per-token losses for {} labels, {} marks, {} slots and {:?} reference losses", nll.elem_count(), labels.len(), marks.len(), n, ref_nll.map(<[f32]>::len))
+        if n != nll.elem_count() || labels.len() != n || marks.len() != n || ref_nll.is_some_and(|r| r.len() != n) || entropy.is_some_and(|e| e.len() != n) {
+            bail!("grpo: {} per-token losses for {} labels, {} marks, {} slots, {:?} reference losses and {:?} entropies", nll.elem_count(), labels.len(), marks.len(), n, ref_nll.map(<[f32]>::len), entropy.map(<[f32]>::len))
         }
         let beta = cfg.beta;
         let kl_on = beta > 0.0;
@@ -96,6 +115,28 @@ impl Rollout {
         // this rank's targets: (position, completion)
         let targets: Vec<(usize, usize)> = (0..n).filter(|&i| slots[i] > 0 && labels[i] != IGNORE && marks[i] == 1).map(|i| (i, slots[i] as usize - 1)).collect();
         let c = self.rewards.len();
+        // (the tokens trained: those not below the entropy quantile, over the group's)
+        let high: Option<Vec<bool>> = match (cfg.top_entropy_quantile < 1.0, entropy) {
+            (false, _) => None,
+            (true, None) => bail!("grpo: top_entropy_quantile {} needs the policy's per-token entropies", cfg.top_entropy_quantile),
+            (true, Some(e)) => {
+                let mut mine = vec![-1f32; n];
+                for &(i, k) in &targets {
+                    if self.norms[k] > 0.0 {
+                        mine[i] = e[i].max(0.0);
+                    }
+                }
+                let all = match group.size() {
+                    1 => mine.clone(),
+                    _ => group.all_gather(&Tensor::from_slice(&mine, (1, n), &Device::Cpu)?, 0)?.flatten_all()?.to_vec1()?,
+                };
+                let threshold = quantile(all.iter().copied().filter(|&x| x >= 0.0).map(f64::from).collect(), 1.0 - cfg.top_entropy_quantile);
+                // (a token within 1e-5 of the threshold, relative, counts as at it: the layouts'
+                // rounding must not split tokens of equal entropy — the same completion twice —
+                // that the threshold falls on)
+                Some(mine.iter().map(|&x| x >= 0.0 && threshold.is_some_and(|t| x as f64 >= t - ENTROPY_TIE * t.abs())).collect())
+            }
+        };
         // GSPO: each completion's ratio from its tokens' mean log-ratio over the group
         let seq_ratio: Option<Vec<f64>> = match (&old, cfg.importance_sampling_level) {
             (Some(o), ImportanceLevel::Sequence) => {
@@ -114,13 +155,17 @@ impl Rollout {
         let mut w = vec![0f32; n];
         // (a masked completion, k_i 0: out of the loss, the KL and the token counts, as TRL's
         // completion mask)
+        // (the policy term token by token: with a ratio or an entropy mask)
+        let per_token = old.is_some() || high.is_some();
         for &(i, k) in targets.iter().filter(|&&(_, k)| self.norms[k] > 0.0) {
-            let mut wt = match (&old, &seq_ratio) {
-                (None, _) => self.weights[k],
-                (Some(o), ratios) => {
-                    let r = match ratios {
-                        Some(r) => r[k],
-                        None => (o[i] as f64 - values[i] as f64).exp(),
+            let mut wt = match (per_token, high.as_ref().is_none_or(|h| h[i])) {
+                (false, _) => self.weights[k],
+                (true, false) => 0.0,
+                (true, true) => {
+                    let r = match (&old, &seq_ratio) {
+                        (None, _) => 1.0,
+                        (Some(_), Some(r)) => r[k],
+                        (Some(o), None) => (o[i] as f64 - values[i] as f64).exp(),
                     };
                     let (g, v, clipped) = clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high), cfg.delta);
                     sums[3] += self.norms[k] * v;
@@ -139,14 +184,11 @@ impl Rollout {
             }
             w[i] = wt as f32;
         }
-        let sums = match kl_on || old.is_some() {
+        let sums = match kl_on || per_token {
             true => super::dpo::sum_over(&sums, group)?,
             false => sums.to_vec(),
         };
-        let value = match old {
-            Some(_) => sums[3],
-            None => self.value,
-        } + beta * sums[0];
+        let value = if per_token { sums[3] } else { self.value } + beta * sums[0];
         let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
         // (each rank's node has the loss's value, as every loss's; its gradient is its share)
         let gv = graph.to_scalar::<f32>()? as f64;

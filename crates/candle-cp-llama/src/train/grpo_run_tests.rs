@@ -101,13 +101,13 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
             let old: Vec<f32> = old_model.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
             // (the reference: the old model too)
-            let no_ratio = r.loss(&nll, Some(&old), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let no_ratio = r.loss(&nll, (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             let own: Vec<f32> = nll.to_vec1()?;
             r.record_old(&own, &ctx, ctx.token_group())?;
-            let unit = r.loss(&nll, Some(&old), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let unit = r.loss(&nll, (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             assert!((unit.value - no_ratio.value).abs() < 1e-6 && unit.clipped == Some(0.0), "ratio 1: {} vs {}", unit.value, no_ratio.value);
             r.record_old(&old, &ctx, ctx.token_group())?;
-            let t = r.loss(&nll, Some(&old), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let t = r.loss(&nll, (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             // by autograd: per position its completion (slots), A and k
             let slots: Vec<u32> = shard_batch(&r.slots, &ctx)?.labels.flatten_all()?.to_vec1()?;
             let n = slots.len();
@@ -171,8 +171,9 @@ fn clipped_loss_follows_autograd() -> Result<()> {
 
 /// `num_iterations` 2: the completions of steps 1, 3 train steps 2, 4 again (the same rewards
 /// and lengths), step 1's and 3's ratio 1 (no clip fraction), step 2's and 4's clipped ratio
-/// (a fraction reported, step 2's strictly between 0 and 1); zigzag CP 2, ring CP 2 × DP 2 and TP 2 + SP follow one device, per
-/// token and per sequence; a run killed after step 2 and resumed from step 1's checkpoint
+/// (a fraction reported, step 2's strictly between 0 and 1); zigzag CP 2, ring CP 2 × DP 2 and
+/// TP 2 + SP follow one device, per token, per sequence, and per token on the top half of the
+/// tokens by entropy (TP: the entropies over a vocabulary split by TP); a run killed after step 2 and resumed from step 1's checkpoint
 /// (which keeps step 1's completions and π_old) reproduces the straight run on its layout and
 /// on one device; a checkpoint without them is refused by name.
 #[test]
@@ -186,14 +187,23 @@ fn iterations_reuse_completions_on_every_layout() -> Result<()> {
         c
     };
     let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
-    for level in [ImportanceLevel::Token, ImportanceLevel::Sequence] {
+    let with_q = |layout: Layout, level: ImportanceLevel, q: f64| -> TrainConfig {
+        let mut c = with(layout, level);
+        if let Some(g) = c.grpo.as_mut() {
+            g.top_entropy_quantile = q;
+        }
+        c
+    };
+    for (level, q) in [(ImportanceLevel::Token, 1.0), (ImportanceLevel::Sequence, 1.0), (ImportanceLevel::Token, 0.5)] {
+        let with = |layout: Layout, level: ImportanceLevel| with_q(layout, level, q);
         let one = run(&with(Layout::single(), level))?;
         let m = &one[0].metrics;
         assert_eq!((m[0].grpo_reward, m[0].completion_length), (m[1].grpo_reward, m[1].completion_length), "{level:?}: step 2 trains on step 1's completions");
         assert_eq!((m[2].grpo_reward, m[2].completion_length), (m[3].grpo_reward, m[3].completion_length));
         assert!(m[0].grpo_clip_ratio.is_none() && m[2].grpo_clip_ratio.is_none() && m[1].grpo_clip_ratio.is_some_and(|c| c > 0.0 && c < 1.0) && m[3].grpo_clip_ratio.is_some(), "{level:?}: step 2's clip holds on some tokens: {m:?}");
-        // (after an update the ratio is no longer 1: the loss of group-scaled grpo leaves 0)
-        assert!(m[0].train_loss.abs() < 1e-6 && m[1].train_loss.abs() > 1e-6, "{m:?}");
+        // (after an update the ratio is no longer 1: the loss of group-scaled grpo leaves 0;
+        // half the tokens' terms are not 0 at the ratio 1 either)
+        assert!((q < 1.0 || m[0].train_loss.abs() < 1e-6) && m[1].train_loss.abs() > 1e-6, "{m:?}");
         for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
             let other = run(&with(layout, level))?;
             for (a, b) in m.iter().zip(&other[0].metrics) {
@@ -298,5 +308,90 @@ fn reward_functions_are_checked_across_ranks() -> Result<()> {
     assert!(e.contains("rewards must be finite"), "{e}");
     let e = run(&with(Layout::single(), Arc::new(|_, _, _| Err(candle_core::Error::Msg("no verifier".into()))))).unwrap_err().to_string();
     assert!(e.contains("no verifier") && e.contains("the reward of completion 0"), "{e}");
+    Ok(())
+}
+
+/// `top_entropy_quantile` 0.5: the policy's per-token entropies (beside its losses) are those
+/// of its full logits; the node's value and gradient are autograd's of the policy term on the
+/// tokens at or above the median entropy of the completion tokens (by hand) plus the KL term
+/// on every token — at the ratio 1 and with `π_old` recorded (another model's losses) —; about
+/// half the tokens train.
+#[test]
+fn entropy_quantile_keeps_the_high_entropy_tokens() -> Result<()> {
+    let set = reverse_prompts(6, 1)?;
+    let mcfg = LlamaConfig::tiny(128, 32, 1, 2, 1);
+    let cfg = GrpoConfig { beta: 0.05, top_entropy_quantile: 0.5, ..grpo_cfg(ImportanceLevel::Token, 2) };
+    let out = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let dev = Device::Cpu;
+        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &dev)?, &mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), &mcfg, &ctx)?;
+        let ovm = shard_params(&init_params(&mcfg, 6, DType::F32, &dev)?, &mcfg, &ctx)?;
+        let other = Llama::new(VarBuilder::from_varmap(&ovm, DType::F32, &dev), &mcfg, &ctx)?;
+        let mut step = [super::super::grpo::rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &dev)?];
+        super::super::grpo::weigh_step(&mut step, &cfg)?;
+        let [mut r] = step;
+        let ids = Tensor::from_vec(r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), (2, 48), &dev)?;
+        let marks: Vec<u32> = r.rows.iter().flat_map(|s| s.long_range.iter().map(|&b| b as u32)).collect();
+        let docs: Vec<_> = r.rows.iter().map(|s| s.documents.clone().expect("documents")).collect();
+        let sb = crate::packed::shard_batch_packed(&ids, &docs, &ctx)?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let marks: Vec<u32> = shard_batch(&Tensor::from_vec(marks, (2, 48), &dev)?, &ctx)?.labels.flatten_all()?.to_vec1()?;
+        let (nll, ent) = m.token_nll_packed_stat(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents, crate::head_loss::HeadStat::Entropy)?;
+        let (nll, ent) = (nll.flatten_all()?, ent.flatten_all()?.to_vec1::<f32>()?);
+        // the entropies are the full logits'
+        let logits = m.forward_packed(&sb.input_ids, &sb.positions, &sb.documents)?.flatten_to(1)?;
+        let lsm = candle_nn::ops::log_softmax(&logits, 1)?;
+        let full: Vec<f32> = (lsm.exp()? * &lsm)?.sum(1)?.neg()?.to_vec1()?;
+        let slots: Vec<u32> = shard_batch(&r.slots, &ctx)?.labels.flatten_all()?.to_vec1()?;
+        let n = slots.len();
+        let on = |i: usize| slots[i] > 0 && labels[i] != crate::IGNORE && marks[i] == 1;
+        for i in (0..n).filter(|&i| on(i)) {
+            assert!((ent[i] - full[i]).abs() < 1e-4, "position {i}: entropy {} vs the logits' {}", ent[i], full[i]);
+        }
+        let reference: Vec<f32> = other.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
+        // the median of the completion tokens' entropies, by hand
+        let mut e: Vec<f64> = (0..n).filter(|&i| on(i)).map(|i| ent[i] as f64).collect();
+        e.sort_by(f64::total_cmp);
+        let pos = 0.5 * (e.len() - 1) as f64;
+        let median = e[pos.floor() as usize] + (e[pos.ceil() as usize] - e[pos.floor() as usize]) * (pos - pos.floor());
+        let keep_high: Vec<f32> = (0..n).map(|i| (on(i) && ent[i] as f64 >= median - ENTROPY_TIE * median) as u8 as f32).collect();
+        let kept = keep_high.iter().sum::<f32>() as f64 / e.len() as f64;
+        let col = |f: &dyn Fn(usize) -> f32| Tensor::from_vec((0..n).map(f).collect::<Vec<f32>>(), n, &dev);
+        let a = col(&|i| if on(i) { r.advantages[slots[i] as usize - 1] as f32 } else { 0.0 })?;
+        let k = col(&|i| if on(i) { r.norms[slots[i] as usize - 1] as f32 } else { 0.0 })?;
+        let keep = col(&|i| on(i) as u8 as f32)?;
+        let high = Tensor::from_vec(keep_high, n, &dev)?;
+        let ref_t = Tensor::from_vec(reference.clone(), n, &dev)?;
+        let mut worst = 0f64;
+        for with_old in [false, true] {
+            if with_old {
+                r.record_old(&reference, &ctx, ctx.token_group())?;
+            }
+            let t = r.loss(&nll, (Some(&reference), Some(&ent)), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let ratio = match with_old {
+                true => (&ref_t - &nll)?.exp()?,
+                // (the ratio 1 with its gradient: π_old the policy detached, as TRL's)
+                false => (nll.detach() - &nll)?.exp()?,
+            };
+            let clip = ratio.clamp(1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)?;
+            let surrogate = (ratio.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()? * &high)?;
+            let d = (&nll - &ref_t)?;
+            let k3 = (((d.exp()? - &d)? - 1.0)? * &keep)?;
+            let direct = ((surrogate + (k3 * cfg.beta)?)? * &k)?.sum_all()?;
+            let want = direct.to_scalar::<f32>()? as f64;
+            assert!((t.value - want).abs() < 1e-5 * want.abs().max(1.0), "π_old {with_old}: value {} vs {want}", t.value);
+            let (g1, g2) = (t.node.backward()?, direct.backward()?);
+            for (name, v) in crate::params::lock_vars(&vm)?.iter() {
+                let (x, y) = (g1.get(v.as_tensor()).expect(name), g2.get(v.as_tensor()).expect(name));
+                let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+                worst = worst.max((x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64 / scale.max(1e-12));
+            }
+        }
+        Ok((worst, kept))
+    });
+    let (worst, kept) = out.into_iter().next().expect("one rank")?;
+    assert!(worst < 1e-4, "gradients differ by {worst} relative");
+    assert!((0.4..=0.6).contains(&kept), "about half the tokens train: {kept}");
     Ok(())
 }

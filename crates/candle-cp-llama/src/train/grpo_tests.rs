@@ -98,6 +98,7 @@ fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
         epsilon_high: 0.2,
         importance_sampling_level: ImportanceLevel::Token,
         delta: None,
+        top_entropy_quantile: 1.0,
     }
 }
 
@@ -169,9 +170,9 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
         let ref_nll: Vec<f32> = reference.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
         let kl_cfg = GrpoConfig { beta, ..cfg.clone() };
-        let crate::train::grpo_run::GrpoTerms { node, value, kl, clipped } = r.loss(&nll, Some(&ref_nll), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+        let crate::train::grpo_run::GrpoTerms { node, value, kl, clipped } = r.loss(&nll, (Some(&ref_nll), None), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group())?;
         assert!(clipped.is_none(), "no ratio before π_old is recorded");
-        assert!(r.loss(&nll, None, &kl_cfg, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
+        assert!(r.loss(&nll, (None, None), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
         let adv = advantages(&r.rewards, 4, ScaleRewards::None)?;
         let one_step = (r.lengths.iter().sum(), 1);
         let (w, value_a) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6, one_step);

@@ -479,14 +479,20 @@ pub fn train_rank(
                 sb.labels.to_device(&dev)?,
                 sb.positions.to_device(&dev)?,
             );
-            // (WPO: each token's log Σ p² from the head beside its loss)
-            let (nll, sq) = match &docs {
-                Some(_) if dpo.as_ref().is_some_and(|d| d.cfg.use_weighting) => {
-                    let (n, q) = model.token_nll_packed_sq(&ids_d, &labels_d, &pos_d, &sb.documents)?;
+            // (WPO: each token's log Σ p² from the head beside its loss; GRPO's high-entropy
+            // tokens: each token's entropy)
+            let stat = match (&dpo, &grpo) {
+                (Some(d), _) if d.cfg.use_weighting => Some(crate::head_loss::HeadStat::SumSq),
+                (_, Some(g)) if g.cfg.top_entropy_quantile < 1.0 => Some(crate::head_loss::HeadStat::Entropy),
+                _ => None,
+            };
+            let (nll, sq) = match (&docs, stat) {
+                (Some(_), Some(st)) => {
+                    let (n, q) = model.token_nll_packed_stat(&ids_d, &labels_d, &pos_d, &sb.documents, st)?;
                     (n, Some(q))
                 }
-                Some(_) => (model.token_nll_packed(&ids_d, &labels_d, &pos_d, &sb.documents)?, None),
-                None => (model.token_nll(&ids_d, &labels_d, &pos_d)?, None),
+                (Some(_), None) => (model.token_nll_packed(&ids_d, &labels_d, &pos_d, &sb.documents)?, None),
+                (None, _) => (model.token_nll(&ids_d, &labels_d, &pos_d)?, None),
             };
             param_gather.check_forward_done()?;
             // (read before the backward, which routes recomputed layers again)
@@ -508,7 +514,8 @@ pub fn train_rank(
                 (None, Some(g)) => {
                     // (the KL term: the reference's per-token losses of the same rows)
                     let ref_nll = g.reference_nll(&sb, &dev)?;
-                    let t = g.rollout(micro)?.loss(&nll, ref_nll.as_deref(), &g.cfg, (&labels, &lr_mask), &ctx, &token_group)?;
+                    let entropy: Option<Vec<f32>> = sq.as_ref().map(|e| e.flatten_all()?.to_device(&host)?.to_vec1()).transpose()?;
+                    let t = g.rollout(micro)?.loss(&nll, (ref_nll.as_deref(), entropy.as_deref()), &g.cfg, (&labels, &lr_mask), &ctx, &token_group)?;
                     grpo_kl += t.kl;
                     if let Some(c) = t.clipped {
                         *grpo_clip.get_or_insert(0.0) += c;
