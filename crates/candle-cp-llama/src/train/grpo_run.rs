@@ -30,7 +30,7 @@ pub fn clipped_surrogate(r: f64, a: f64, (lo, hi): (f64, f64), delta: Option<f64
 
 /// The relative distance below the entropy threshold within which a token counts as at it
 /// ([`GrpoConfig::top_entropy_quantile`]).
-pub const ENTROPY_TIE: f64 = 1e-5;
+pub const ENTROPY_TIE: f64 = 1e-6;
 
 /// The `q` quantile of `x` (linear between the order statistics, as `torch.quantile`);
 /// `None` for no value.
@@ -131,7 +131,7 @@ impl Rollout {
                     _ => group.all_gather(&Tensor::from_slice(&mine, (1, n), &Device::Cpu)?, 0)?.flatten_all()?.to_vec1()?,
                 };
                 let threshold = quantile(all.iter().copied().filter(|&x| x >= 0.0).map(f64::from).collect(), 1.0 - cfg.top_entropy_quantile);
-                // (a token within 1e-5 of the threshold, relative, counts as at it: the layouts'
+                // (a token within 1e-6 of the threshold, relative, counts as at it: the layouts'
                 // rounding must not split tokens of equal entropy — the same completion twice —
                 // that the threshold falls on)
                 Some(mine.iter().map(|&x| x >= 0.0 && threshold.is_some_and(|t| x as f64 >= t - ENTROPY_TIE * t.abs())).collect())
