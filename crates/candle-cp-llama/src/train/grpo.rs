@@ -568,4 +568,4 @@ pub(crate) fn weigh_step(rollouts: &mut [Rollout], cfg: &GrpoConfig) -> Result<(
 
 #[cfg(test)]
 #[path = "grpo_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -1,12 +1,12 @@
 use super::*;
 use crate::sampling::Sampling;
 use crate::train::grpo::{GrpoLoss, ScaleRewards};
-use crate::train::sft::bytes_of;
-use crate::train::{DataSource, ModelSource, TrainConfig};
+use crate::train::{DataSource, TrainConfig};
 use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
 use candle_cp_comm::run_ranks;
 use candle_nn::VarBuilder;
 use std::sync::Arc;
+use crate::train::grpo::tests::{capitals, grad_gap, reverse_prompts, run, tiny_run};
 
 /// The clipped surrogate: inside the range `−r·a` with derivative `r·a` with respect to the
 /// loss; a positive advantage clipped above `1 + ε_high`, a negative one below `1 − ε` (value
@@ -34,21 +34,6 @@ fn clipped_surrogate_follows_trls_min() {
     assert_eq!(clipped_surrogate(2.0, -1.0, eps, Some(1.5)), (0.0, 1.5, false));
 }
 
-fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
-    let mut rng = super::super::rng::Rng::new(seed);
-    let mut text = String::new();
-    for _ in 0..n {
-        let p: String = (0..2 + rng.below(3)).map(|_| (b'a' + rng.below(6) as u8) as char).collect();
-        let c: String = p.chars().rev().map(|x| x.to_ascii_uppercase()).collect();
-        text.push_str(&format!("{{\"prompt\": \"{p}=\", \"completion\": \"{c}\"}}\n"));
-    }
-    PromptSet::from_marked(crate::train::sft::read_sft(&text, &bytes_of, Some(2), None)?)
-}
-
-fn capitals() -> super::super::grpo::RewardFn {
-    Arc::new(|_, c, _| Ok(c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64))
-}
-
 fn grpo_cfg(level: ImportanceLevel, num_iterations: usize) -> GrpoConfig {
     GrpoConfig {
         num_generations: 4,
@@ -60,6 +45,39 @@ fn grpo_cfg(level: ImportanceLevel, num_iterations: usize) -> GrpoConfig {
         importance_sampling_level: level,
         ..GrpoConfig::new(2, capitals(), vec![2], 7)
     }
+}
+
+/// The autograd tests' micro-batch on one device: the policy (seed 5) and another model (seed
+/// 6), one rollout of `set` by the policy (2 rows of 48) weighed, its rows sharded as the
+/// trainer shards them, with the shard's labels and marks.
+struct OneMicro {
+    vm: candle_nn::VarMap,
+    m: Llama,
+    other: Llama,
+    r: Rollout,
+    sb: crate::ShardedBatch,
+    labels: Vec<u32>,
+    marks: Vec<u32>,
+}
+
+fn one_micro(mcfg: &LlamaConfig, cfg: &GrpoConfig, set: &PromptSet, ctx: &ParallelCtx) -> Result<OneMicro> {
+    let dev = Device::Cpu;
+    let model = |seed: u64| -> Result<(candle_nn::VarMap, Llama)> {
+        let vm = shard_params(&init_params(mcfg, seed, DType::F32, &dev)?, mcfg, ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), mcfg, ctx)?;
+        Ok((vm, m))
+    };
+    let ((vm, m), (_, other)) = (model(5)?, model(6)?);
+    let mut step = [super::super::grpo::rollout(&m, cfg, set, 3, (0, 0), (2, 48), &dev)?];
+    super::super::grpo::weigh_step(&mut step, cfg)?;
+    let [r] = step;
+    let ids = Tensor::from_vec(r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), (2, 48), &dev)?;
+    let marks: Vec<u32> = r.rows.iter().flat_map(|s| s.long_range.iter().map(|&b| b as u32)).collect();
+    let docs: Vec<_> = r.rows.iter().map(|s| s.documents.clone().expect("documents")).collect();
+    let sb = crate::packed::shard_batch_packed(&ids, &docs, ctx)?;
+    let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+    let marks: Vec<u32> = shard_batch(&Tensor::from_vec(marks, (2, 48), &dev)?, ctx)?.labels.flatten_all()?.to_vec1()?;
+    Ok(OneMicro { vm, m, other, r, sb, labels, marks })
 }
 
 /// With `π_old` recorded (here another model's per-token losses, so the ratios spread past the
@@ -84,20 +102,7 @@ fn clipped_loss_follows_autograd() -> Result<()> {
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
             let dev = Device::Cpu;
-            let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &dev)?, &mcfg, &ctx)?;
-            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), &mcfg, &ctx)?;
-            let ovm = shard_params(&init_params(&mcfg, 6, DType::F32, &dev)?, &mcfg, &ctx)?;
-            let old_model = Llama::new(VarBuilder::from_varmap(&ovm, DType::F32, &dev), &mcfg, &ctx)?;
-            let mut step = [super::super::grpo::rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &dev)?];
-            super::super::grpo::weigh_step(&mut step, &cfg)?;
-            let [mut r] = step;
-            let ids: Vec<u32> = r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-            let ids = Tensor::from_vec(ids, (2, 48), &dev)?;
-            let marks: Vec<u32> = r.rows.iter().flat_map(|s| s.long_range.iter().map(|&b| b as u32)).collect();
-            let docs: Vec<_> = r.rows.iter().map(|s| s.documents.clone().expect("documents")).collect();
-            let sb = crate::packed::shard_batch_packed(&ids, &docs, &ctx)?;
-            let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
-            let marks: Vec<u32> = shard_batch(&Tensor::from_vec(marks, (2, 48), &dev)?, &ctx)?.labels.flatten_all()?.to_vec1()?;
+            let OneMicro { vm, m, other: old_model, mut r, sb, labels, marks } = one_micro(&mcfg, &cfg, &set, &ctx)?;
             let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
             let old: Vec<f32> = old_model.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
             // (the reference: the old model too)
@@ -154,13 +159,7 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             let clipped = counted.iter().filter(|&&i| (av[i] > 0.0 && rv[i] as f64 > 1.0 + cfg.epsilon_high) || (av[i] < 0.0 && (rv[i] as f64) < 1.0 - cfg.epsilon)).count() as f64 / counted.len() as f64;
             assert!(t.clipped.is_some_and(|x| (x - clipped).abs() < 1e-12), "{level:?}: clipped {:?} vs {clipped}", t.clipped);
             let (g1, g2) = (t.node.backward()?, direct.backward()?);
-            let mut worst = 0f64;
-            for (name, v) in crate::params::lock_vars(&vm)?.iter() {
-                let (x, y) = (g1.get(v.as_tensor()).expect(name), g2.get(v.as_tensor()).expect(name));
-                let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-                worst = worst.max((x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64 / scale.max(1e-12));
-            }
-            Ok((worst, clipped))
+            Ok((grad_gap(&vm, &g1, &g2)?, clipped))
         });
         let (worst, clipped) = out.into_iter().next().expect("one rank")?;
         assert!(worst < 1e-4, "{level:?}: gradients differ by {worst} relative");
@@ -180,13 +179,11 @@ fn clipped_loss_follows_autograd() -> Result<()> {
 fn iterations_reuse_completions_on_every_layout() -> Result<()> {
     let set = reverse_prompts(8, 2)?;
     let with = |layout: Layout, level: ImportanceLevel| -> TrainConfig {
-        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set.clone()), 48, 4);
-        (c.batch, c.grad_accum, c.seed) = (2, 2, 3);
+        let mut c = tiny_run(layout, DataSource::Prompts(set.clone()), 4, (2, 2));
         c.schedule.peak = 4e-3;
         c.grpo = Some(GrpoConfig { loss_type: GrpoLoss::Grpo, scale_rewards: ScaleRewards::Group, sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 }, ..grpo_cfg(level, 2) });
         c
     };
-    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
     let with_q = |layout: Layout, level: ImportanceLevel, q: f64| -> TrainConfig {
         let mut c = with(layout, level);
         if let Some(g) = c.grpo.as_mut() {
@@ -273,12 +270,10 @@ fn reward_functions_are_checked_across_ranks() -> Result<()> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let set = reverse_prompts(8, 2)?;
     let with = |layout: Layout, reward: super::super::grpo::RewardFn| -> TrainConfig {
-        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set.clone()), 48, 3);
-        (c.batch, c.grad_accum, c.seed) = (2, 1, 3);
+        let mut c = tiny_run(layout, DataSource::Prompts(set.clone()), 3, (2, 1));
         c.grpo = Some(GrpoConfig { reward, ..grpo_cfg(ImportanceLevel::Token, 1) });
         c
     };
-    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
     let dir = std::env::temp_dir().join(format!("cp-grpo-cmd-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let script = "while read line; do echo \"$line\" >> \"$0\"; c=${line#*\\\"completion\\\":\\\"}; c=${c%%\\\"*}; printf '%s' \"$c\" | tr -cd 'A-Z' | wc -c; done";
@@ -324,19 +319,7 @@ fn entropy_quantile_keeps_the_high_entropy_tokens() -> Result<()> {
     let out = run_ranks(1, |g| {
         let ctx = ParallelCtx::single(g)?;
         let dev = Device::Cpu;
-        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &dev)?, &mcfg, &ctx)?;
-        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), &mcfg, &ctx)?;
-        let ovm = shard_params(&init_params(&mcfg, 6, DType::F32, &dev)?, &mcfg, &ctx)?;
-        let other = Llama::new(VarBuilder::from_varmap(&ovm, DType::F32, &dev), &mcfg, &ctx)?;
-        let mut step = [super::super::grpo::rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &dev)?];
-        super::super::grpo::weigh_step(&mut step, &cfg)?;
-        let [mut r] = step;
-        let ids = Tensor::from_vec(r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), (2, 48), &dev)?;
-        let marks: Vec<u32> = r.rows.iter().flat_map(|s| s.long_range.iter().map(|&b| b as u32)).collect();
-        let docs: Vec<_> = r.rows.iter().map(|s| s.documents.clone().expect("documents")).collect();
-        let sb = crate::packed::shard_batch_packed(&ids, &docs, &ctx)?;
-        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
-        let marks: Vec<u32> = shard_batch(&Tensor::from_vec(marks, (2, 48), &dev)?, &ctx)?.labels.flatten_all()?.to_vec1()?;
+        let OneMicro { vm, m, other, mut r, sb, labels, marks } = one_micro(&mcfg, &cfg, &set, &ctx)?;
         let (nll, ent) = m.token_nll_packed_stat(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents, crate::head_loss::HeadStat::Entropy)?;
         let (nll, ent) = (nll.flatten_all()?, ent.flatten_all()?.to_vec1::<f32>()?);
         // the entropies are the full logits'
@@ -382,11 +365,7 @@ fn entropy_quantile_keeps_the_high_entropy_tokens() -> Result<()> {
             let want = direct.to_scalar::<f32>()? as f64;
             assert!((t.value - want).abs() < 1e-5 * want.abs().max(1.0), "π_old {with_old}: value {} vs {want}", t.value);
             let (g1, g2) = (t.node.backward()?, direct.backward()?);
-            for (name, v) in crate::params::lock_vars(&vm)?.iter() {
-                let (x, y) = (g1.get(v.as_tensor()).expect(name), g2.get(v.as_tensor()).expect(name));
-                let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-                worst = worst.max((x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64 / scale.max(1e-12));
-            }
+            worst = worst.max(grad_gap(&vm, &g1, &g2)?);
         }
         Ok((worst, kept))
     });

@@ -70,7 +70,7 @@ fn prompts_from_examples_and_rewards() -> Result<()> {
 }
 
 /// Byte-level "reverse" prompts: `abc=` → `CBA` + EOS 2.
-fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
+pub(crate) fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
     let mut rng = Rng::new(seed);
     let mut text = String::new();
     for _ in 0..n {
@@ -82,29 +82,37 @@ fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
 }
 
 fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
-    GrpoConfig {
-        num_generations: 4,
-        prompts: 2,
-        max_completion_length: 6,
-        sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 },
-        stop: vec![2],
-        loss_type,
-        scale_rewards: scale,
-        reward: capitals(),
-        beta: 0.0,
-        mask_truncated_completions: false,
-        num_iterations: 1,
-        epsilon: 0.2,
-        epsilon_high: 0.2,
-        importance_sampling_level: ImportanceLevel::Token,
-        delta: None,
-        top_entropy_quantile: 1.0,
-    }
+    GrpoConfig { num_generations: 4, max_completion_length: 6, loss_type, scale_rewards: scale, ..GrpoConfig::new(2, capitals(), vec![2], 7) }
 }
 
 /// The test reward: the fraction of a completion's tokens that are capital letters (a random
 /// model writes some, so groups differ; the policy can learn to write more).
-fn capitals() -> RewardFn {
+/// The largest gap between two gradients of `vm`'s variables, each relative to the second's
+/// largest entry.
+pub(crate) fn grad_gap(vm: &candle_nn::VarMap, g1: &candle_core::backprop::GradStore, g2: &candle_core::backprop::GradStore) -> Result<f64> {
+    let mut worst = 0f64;
+    for (name, v) in crate::params::lock_vars(vm)?.iter() {
+        let (Some(a), Some(b)) = (g1.get(v.as_tensor()), g2.get(v.as_tensor())) else { bail!("no gradient of {name}") };
+        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        worst = worst.max((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64 / scale.max(1e-12));
+    }
+    Ok(worst)
+}
+
+/// `c` run on its layout's ranks: each rank's outcome.
+pub(crate) fn run(c: &TrainConfig) -> Result<Vec<crate::train::TrainOutcome>> {
+    run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect()
+}
+
+/// The GRPO tests' run: the tiny model on `data`, rows of 48, `steps` steps of `batch` rows ×
+/// `grad_accum`, seed 3.
+pub(crate) fn tiny_run(layout: Layout, data: DataSource, steps: usize, (batch, grad_accum): (usize, usize)) -> TrainConfig {
+    let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), data, 48, steps);
+    (c.batch, c.grad_accum, c.seed) = (batch, grad_accum, 3);
+    c
+}
+
+pub(crate) fn capitals() -> RewardFn {
     Arc::new(|_, c, _| Ok(c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64))
 }
 
@@ -199,13 +207,7 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         assert!((value - want).abs() < 1e-5 && (node.to_scalar::<f32>()? as f64 - want).abs() < 1e-5, "value {value} vs {want}");
         assert!(kl > 0.01 && (kl - kl_plain / kl_tokens).abs() < 1e-3 * kl, "mean KL {kl}");
         let g2 = direct.backward()?;
-        let mut worst = 0f64;
-        for (name, v) in crate::params::lock_vars(&vm)?.iter() {
-            let (a, b) = (g1.get(v.as_tensor()).expect(name), g2.get(v.as_tensor()).expect(name));
-            let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-            worst = worst.max((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64 / scale.max(1e-12));
-        }
-        Ok(worst)
+        grad_gap(&vm, &g1, &g2)
     });
     let worst = out.into_iter().next().expect("one rank")?;
     assert!(worst < 1e-4, "gradients differ by {worst} relative");
@@ -222,14 +224,12 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
 fn grpo_runs_match_on_every_layout() -> Result<()> {
     let set = reverse_prompts(8, 2)?;
     let with = |layout: Layout, beta: f64| -> TrainConfig {
-        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set.clone()), 48, 4);
-        (c.batch, c.grad_accum, c.seed) = (2, 2, 3);
+        let mut c = tiny_run(layout, DataSource::Prompts(set.clone()), 4, (2, 2));
         c.schedule.peak = 1e-2;
         c.grpo = Some(GrpoConfig { beta, ..grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group) });
         c
     };
     let cfg = |layout: Layout| with(layout, 0.0);
-    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
     for beta in [0.0, 0.04] {
         let one = run(&with(Layout::single(), beta))?;
         let m = &one[0].metrics;
@@ -332,14 +332,12 @@ fn held_out_prompts_are_evaluated_on_every_layout() -> Result<()> {
     let (train, held) = data.split_held_out(0.25, 48)?;
     let DataSource::Prompts(held_set) = &held else { bail!("prompts") };
     let with = |layout: Layout, peak: f64| -> TrainConfig {
-        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), train.clone(), 48, 4);
-        (c.batch, c.grad_accum, c.seed) = (2, 1, 3);
+        let mut c = tiny_run(layout, train.clone(), 4, (2, 1));
         c.schedule.peak = peak;
         c.grpo = Some(grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group));
         c.eval = Some(crate::train::EvalConfig { data: held.clone(), every: 2, batches: 1 });
         c
     };
-    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
     // the starting model's greedy completions, by hand
     let mcfg = LlamaConfig::tiny(128, 32, 1, 2, 1);
     let by_hand = run_ranks(1, |g| {
