@@ -59,6 +59,7 @@
 pub mod arch;
 pub mod attn;
 pub mod chat;
+mod chat_files;
 pub mod chat_reasoning;
 mod attn2d;
 pub mod config;
