@@ -35,7 +35,8 @@ pub(crate) struct GrpoArgs {
     pub(crate) grpo_top_p: f64,
     /// The per-token normalisation: grpo (each completion's mean, then the mean), bnpo (every
     /// token of a micro-batch alike), dr_grpo (a constant) or dapo (every token of the step
-    /// alike; TRL's default).
+    /// alike; TRL's default); or cispo (MiniMax-M1: every token's gradient weighted by its
+    /// ratio capped at --epsilon-high, TRL recommends 5; normalised as dapo).
     #[arg(long, default_value = "grpo")]
     pub(crate) grpo_loss: String,
     /// Advantages divided by the group's reward spread (group), the micro-batch's (batch) or

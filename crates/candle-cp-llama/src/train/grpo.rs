@@ -14,6 +14,7 @@
 //!        k_i = 1 / Σ_j |o_j|           bnpo     (every completion token alike)
 //!        k_i = 1 / (n · max_len)       dr_grpo  (Dr. GRPO: a constant)
 //!        k_i = M / Σ_step |o_j|        dapo     (every token of the step's M micro-batches alike)
+//! cispo: −sg(min(ρ_t, ε_high))·A_i·log π(o_i,t) · k_i   (MiniMax-M1; k_i as dapo's)
 //! ```
 //!
 //! As TRL's generation batch, the step's completions are all sampled before its first
@@ -111,6 +112,10 @@ pub enum GrpoLoss {
     DrGrpo,
     /// Every completion token of the step's micro-batches alike (TRL's `dapo`, its default).
     Dapo,
+    /// MiniMax-M1's CISPO (TRL's `cispo`): every token keeps its gradient, weighted by its
+    /// ratio capped and detached, `−sg(min(ρ, ε_high))·A·log π` (`epsilon_high` an absolute
+    /// cap here, ScaleRL's ε_max: TRL recommends 5); normalised as `dapo`.
+    Cispo,
 }
 
 impl GrpoLoss {
@@ -121,6 +126,7 @@ impl GrpoLoss {
             GrpoLoss::Bnpo => "bnpo",
             GrpoLoss::DrGrpo => "dr_grpo",
             GrpoLoss::Dapo => "dapo",
+            GrpoLoss::Cispo => "cispo",
         }
     }
 }
@@ -133,7 +139,8 @@ impl std::str::FromStr for GrpoLoss {
             "bnpo" => GrpoLoss::Bnpo,
             "dr_grpo" => GrpoLoss::DrGrpo,
             "dapo" => GrpoLoss::Dapo,
-            _ => bail!("grpo: unknown loss type {s:?} (grpo, bnpo, dr_grpo or dapo)"),
+            "cispo" => GrpoLoss::Cispo,
+            _ => bail!("grpo: unknown loss type {s:?} (grpo, bnpo, dr_grpo, dapo or cispo)"),
         })
     }
 }
@@ -314,6 +321,9 @@ impl GrpoConfig {
         if !(self.epsilon > 0.0 && self.epsilon < 1.0 && self.epsilon_high > 0.0 && self.epsilon_high.is_finite()) {
             bail!("grpo: the clip range needs 0 < epsilon < 1 and epsilon_high > 0, got {} and {}", self.epsilon, self.epsilon_high)
         }
+        if self.delta.is_some() && self.loss_type == GrpoLoss::Cispo {
+            bail!("grpo: delta caps the clipped objective's ratio; CISPO caps it by epsilon_high")
+        }
         if self.delta.is_some_and(|d| !(d > 1.0 && d.is_finite())) {
             bail!("grpo: delta caps the ratio above 1 (best above 1 + epsilon_high): got {:?}", self.delta)
         }
@@ -428,7 +438,7 @@ pub fn norms(lengths: &[usize], loss: GrpoLoss, max_len: usize, (step_tokens, mi
             GrpoLoss::Grpo => 1.0 / (len.max(1) as f64 * n),
             GrpoLoss::Bnpo => 1.0 / total.max(1) as f64,
             GrpoLoss::DrGrpo => 1.0 / (n * max_len.max(1) as f64),
-            GrpoLoss::Dapo => micro_batches as f64 / step_tokens.max(1) as f64,
+            GrpoLoss::Dapo | GrpoLoss::Cispo => micro_batches as f64 / step_tokens.max(1) as f64,
         })
         .collect()
 }

@@ -44,6 +44,14 @@ pub fn quantile(mut x: Vec<f64>, q: f64) -> Option<f64> {
     Some(x[lo] + (x[hi] - x[lo]) * (pos - lo as f64))
 }
 
+/// CISPO's term of one token with ratio `r`, advantage `a`, cap `cap` and loss `nll`: the
+/// derivative of `−sg(min(r, cap))·a·log π = sg(min(r, cap))·a·nll` with respect to `nll`, its
+/// value, and whether the cap holds on a positive advantage (TRL's `cispo_clip_ratio`).
+pub fn cispo_term(r: f64, a: f64, cap: f64, nll: f64) -> (f64, f64, bool) {
+    let c = r.min(cap);
+    (c * a, c * a * nll, r > cap && a > 0.0)
+}
+
 /// What a micro-batch's GRPO loss reports ([`Rollout::loss`]).
 pub(crate) struct GrpoTerms {
     /// The node to back-propagate (its value TRL's loss).
@@ -108,7 +116,8 @@ impl Rollout {
             Some(o) => Some(self.positions(ctx)?.iter().map(|&p| o.get(p as usize).copied().unwrap_or(0.0)).collect()),
             None => None,
         };
-        let values: Vec<f32> = match kl_on || old.is_some() {
+        let cispo = cfg.loss_type == super::grpo::GrpoLoss::Cispo;
+        let values: Vec<f32> = match kl_on || old.is_some() || cispo {
             true => nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?,
             false => Vec::new(),
         };
@@ -156,7 +165,7 @@ impl Rollout {
         // (a masked completion, k_i 0: out of the loss, the KL and the token counts, as TRL's
         // completion mask)
         // (the policy term token by token: with a ratio or an entropy mask)
-        let per_token = old.is_some() || high.is_some();
+        let per_token = old.is_some() || high.is_some() || cispo;
         for &(i, k) in targets.iter().filter(|&&(_, k)| self.norms[k] > 0.0) {
             let mut wt = match (per_token, high.as_ref().is_none_or(|h| h[i])) {
                 (false, _) => self.weights[k],
@@ -167,7 +176,10 @@ impl Rollout {
                         (Some(_), Some(r)) => r[k],
                         (Some(o), None) => (o[i] as f64 - values[i] as f64).exp(),
                     };
-                    let (g, v, clipped) = clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high), cfg.delta);
+                    let (g, v, clipped) = match cispo {
+                        true => cispo_term(r, self.advantages[k], cfg.epsilon_high, values[i] as f64),
+                        false => clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high), cfg.delta),
+                    };
                     sums[3] += self.norms[k] * v;
                     sums[4] += clipped as u8 as f64;
                     self.norms[k] * g

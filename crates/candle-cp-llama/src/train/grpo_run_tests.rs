@@ -83,22 +83,26 @@ fn one_micro(mcfg: &LlamaConfig, cfg: &GrpoConfig, set: &PromptSet, ctx: &Parall
 /// With `π_old` recorded (here another model's per-token losses, so the ratios spread past the
 /// clip range on both sides), the node's value is TRL's clipped loss and its gradient the
 /// autograd gradient of `Σ_i k_i·Σ_t −min(ρ·A_i, clip(ρ)·A_i)` — per token, and per sequence
-/// (GSPO: `ρ_i = exp(mean_t(old − nll))`, through the mean) —, with the KL term (β 0.05); the
+/// (GSPO: `ρ_i = exp(mean_t(old − nll))`, through the mean) —, or of CISPO's
+/// `−sg(min(ρ, 1.1))·A·log π`, with the KL term (β 0.05); the
 /// clipped fraction is the tokens' where the clip holds; `π_old` recorded from the policy's
 /// own losses gives the ratio 1 (the loss of no ratio).
 #[test]
 fn clipped_loss_follows_autograd() -> Result<()> {
     let set = reverse_prompts(6, 1)?;
     let mcfg = LlamaConfig::tiny(128, 32, 1, 2, 1);
-    for level in [ImportanceLevel::Token, ImportanceLevel::Sequence] {
-        // (GSPO's clip range is narrow: a sequence's mean log-ratio moves little)
-        let (epsilon, epsilon_high) = match level {
-            ImportanceLevel::Token => (0.2, 0.28),
-            ImportanceLevel::Sequence => (0.03, 0.04),
+    for (level, cispo) in [(ImportanceLevel::Token, false), (ImportanceLevel::Sequence, false), (ImportanceLevel::Token, true)] {
+        // (GSPO's clip range is narrow: a sequence's mean log-ratio moves little; CISPO's
+        // epsilon_high is the ratio's cap)
+        let (epsilon, epsilon_high) = match (level, cispo) {
+            (_, true) => (0.2, 1.1),
+            (ImportanceLevel::Token, _) => (0.2, 0.28),
+            (ImportanceLevel::Sequence, _) => (0.03, 0.04),
         };
         // (per token, INTELLECT-2's cap too)
-        let delta = (level == ImportanceLevel::Token).then_some(1.5);
-        let cfg = GrpoConfig { beta: 0.05, epsilon, epsilon_high, delta, ..grpo_cfg(level, 2) };
+        let delta = (level == ImportanceLevel::Token && !cispo).then_some(1.5);
+        let loss_type = if cispo { GrpoLoss::Cispo } else { GrpoLoss::Bnpo };
+        let cfg = GrpoConfig { beta: 0.05, epsilon, epsilon_high, delta, loss_type, ..grpo_cfg(level, 2) };
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
             let dev = Device::Cpu;
@@ -146,7 +150,12 @@ fn clipped_loss_follows_autograd() -> Result<()> {
                 Some(d) => ratio.minimum(d)?,
                 None => ratio.clone(),
             };
-            let surrogate = (capped.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()? * &keep)?;
+            let surrogate = match cispo {
+                // (CISPO: −sg(min(ρ, cap))·A·log π)
+                true => ((ratio.minimum(cfg.epsilon_high)?.detach() * &a)? * &nll)?,
+                false => capped.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()?,
+            };
+            let surrogate = (surrogate * &keep)?;
             let d = (&nll - &old_t)?;
             let k3 = (((d.exp()? - &d)? - 1.0)? * &keep)?;
             let direct = ((surrogate + (k3 * cfg.beta)?)? * &k)?.sum_all()?;
@@ -156,7 +165,11 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             // the clipped fraction by hand
             let (rv, av): (Vec<f32>, Vec<f32>) = (ratio.to_vec1()?, a.to_vec1()?);
             let counted: Vec<usize> = (0..n).filter(|&i| on(i)).collect();
-            let clipped = counted.iter().filter(|&&i| (av[i] > 0.0 && rv[i] as f64 > 1.0 + cfg.epsilon_high) || (av[i] < 0.0 && (rv[i] as f64) < 1.0 - cfg.epsilon)).count() as f64 / counted.len() as f64;
+            let clipped = match cispo {
+                true => counted.iter().filter(|&&i| av[i] > 0.0 && rv[i] as f64 > cfg.epsilon_high).count(),
+                false => counted.iter().filter(|&&i| (av[i] > 0.0 && rv[i] as f64 > 1.0 + cfg.epsilon_high) || (av[i] < 0.0 && (rv[i] as f64) < 1.0 - cfg.epsilon)).count(),
+            } as f64
+                / counted.len() as f64;
             assert!(t.clipped.is_some_and(|x| (x - clipped).abs() < 1e-12), "{level:?}: clipped {:?} vs {clipped}", t.clipped);
             let (g1, g2) = (t.node.backward()?, direct.backward()?);
             Ok((grad_gap(&vm, &g1, &g2)?, clipped))
@@ -171,8 +184,8 @@ fn clipped_loss_follows_autograd() -> Result<()> {
 /// `num_iterations` 2: the completions of steps 1, 3 train steps 2, 4 again (the same rewards
 /// and lengths), step 1's and 3's ratio 1 (no clip fraction), step 2's and 4's clipped ratio
 /// (a fraction reported, step 2's strictly between 0 and 1); zigzag CP 2, ring CP 2 × DP 2 and
-/// TP 2 + SP follow one device, per token, per sequence, and per token on the top half of the
-/// tokens by entropy (TP: the entropies over a vocabulary split by TP); a run killed after step 2 and resumed from step 1's checkpoint
+/// TP 2 + SP follow one device, per token, per sequence, per token on the top half of the
+/// tokens by entropy (TP: the entropies over a vocabulary split by TP), and under CISPO; a run killed after step 2 and resumed from step 1's checkpoint
 /// (which keeps step 1's completions and π_old) reproduces the straight run on its layout and
 /// on one device; a checkpoint without them is refused by name.
 #[test]
@@ -184,15 +197,18 @@ fn iterations_reuse_completions_on_every_layout() -> Result<()> {
         c.grpo = Some(GrpoConfig { loss_type: GrpoLoss::Grpo, scale_rewards: ScaleRewards::Group, sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 }, ..grpo_cfg(level, 2) });
         c
     };
-    let with_q = |layout: Layout, level: ImportanceLevel, q: f64| -> TrainConfig {
+    let with_q = |layout: Layout, level: ImportanceLevel, q: f64, cispo: bool| -> TrainConfig {
         let mut c = with(layout, level);
         if let Some(g) = c.grpo.as_mut() {
             g.top_entropy_quantile = q;
+            if cispo {
+                (g.loss_type, g.epsilon_high) = (GrpoLoss::Cispo, 1.1);
+            }
         }
         c
     };
-    for (level, q) in [(ImportanceLevel::Token, 1.0), (ImportanceLevel::Sequence, 1.0), (ImportanceLevel::Token, 0.5)] {
-        let with = |layout: Layout, level: ImportanceLevel| with_q(layout, level, q);
+    for (level, q, cispo) in [(ImportanceLevel::Token, 1.0, false), (ImportanceLevel::Sequence, 1.0, false), (ImportanceLevel::Token, 0.5, false), (ImportanceLevel::Token, 1.0, true)] {
+        let with = |layout: Layout, level: ImportanceLevel| with_q(layout, level, q, cispo);
         let one = run(&with(Layout::single(), level))?;
         let m = &one[0].metrics;
         assert_eq!((m[0].grpo_reward, m[0].completion_length), (m[1].grpo_reward, m[1].completion_length), "{level:?}: step 2 trains on step 1's completions");
@@ -200,7 +216,7 @@ fn iterations_reuse_completions_on_every_layout() -> Result<()> {
         assert!(m[0].grpo_clip_ratio.is_none() && m[2].grpo_clip_ratio.is_none() && m[1].grpo_clip_ratio.is_some_and(|c| c > 0.0 && c < 1.0) && m[3].grpo_clip_ratio.is_some(), "{level:?}: step 2's clip holds on some tokens: {m:?}");
         // (after an update the ratio is no longer 1: the loss of group-scaled grpo leaves 0;
         // half the tokens' terms are not 0 at the ratio 1 either)
-        assert!((q < 1.0 || m[0].train_loss.abs() < 1e-6) && m[1].train_loss.abs() > 1e-6, "{m:?}");
+        assert!((q < 1.0 || cispo || m[0].train_loss.abs() < 1e-6) && m[1].train_loss.abs() > 1e-6, "{m:?}");
         for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
             let other = run(&with(layout, level))?;
             for (a, b) in m.iter().zip(&other[0].metrics) {
