@@ -162,13 +162,6 @@ pub fn token_nll_stat(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize
     Ok((nll, st.ok_or_else(|| candle_core::Error::Msg("token_nll_stat: no statistics".into()))?))
 }
 
-/// [`token_nll`] and, per row, `log Σ_v p_v²` of the softmax (WPO's weight adjustment,
-/// `logsumexp(2 · log p)`), f32 `[N]`, detached, 0 where the label is [`IGNORE`]: one more
-/// pass over each chunk's logits, no more matmuls.
-pub fn token_nll_sq(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
-    token_nll_stat(x, w, labels, chunk_rows, softcap, HeadStat::SumSq)
-}
-
 /// `log Σ_v p_v² = logsumexp(2·l) − 2·lse` per row, `[c, 1]`, from a chunk's logits `l` and
 /// their `lse`.
 fn sq_of(l: &Tensor, lse: &Tensor) -> Result<Tensor> {
@@ -268,23 +261,6 @@ pub fn token_nll_vocab_parallel(
     softcap: Option<f64>,
 ) -> Result<Tensor> {
     Ok(token_nll_vocab_parallel_stats(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), None)?.0)
-}
-
-/// [`token_nll_vocab_parallel`] and [`token_nll_sq`]'s statistic of the same rows, `log Σ_v
-/// p_v²` over the whole vocabulary (each rank's `logsumexp(2·l)` over its slice, merged over
-/// the group by one more all-gather), detached. Collective over `group`.
-#[allow(clippy::too_many_arguments)]
-pub fn token_nll_vocab_parallel_sq(
-    x: &Tensor,
-    w: &Tensor,
-    labels: &Tensor,
-    vocab: usize,
-    chunk_rows: usize,
-    group: &candle_cp_comm::Group,
-    own_rows_only: bool,
-    softcap: Option<f64>,
-) -> Result<(Tensor, Tensor)> {
-    token_nll_vocab_parallel_stat(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), HeadStat::SumSq)
 }
 
 /// [`token_nll_vocab_parallel`] and `stat` of the same rows over the whole vocabulary, merged

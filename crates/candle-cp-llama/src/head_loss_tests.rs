@@ -148,10 +148,6 @@ fn softmax_statistics_match_the_logits() -> Result<()> {
                 HeadStat::Entropy => (lsm.exp()? * &lsm)?.sum_keepdim(1)?.neg()?,
             };
             let want = (full.reshape(b * tc)? * Tensor::new(keep, &Device::Cpu)?)?;
-            if stat == HeadStat::SumSq {
-                let (nll, sq) = token_nll_sq(&x, &w, &labels, 4, cap)?;
-                assert!(max_diff(&sq, &want)? < 2e-6 && max_diff(&nll, &token_nll(&x, &w, &labels, 4, cap)?)? == 0.0, "token_nll_sq V {v}");
-            }
             // (the entropy `lse − Σ p·l` cancels logits of ~10: f32's 1e-6 of them)
             let tol = if stat == HeadStat::Entropy { 2e-5 } else { 2e-6 };
             for chunk in [1, 64] {

@@ -142,16 +142,8 @@ impl Llama {
         self.token_nll_with(input_ids, labels, positions, Some(docs))
     }
 
-    /// [`Llama::token_nll_packed`] and each token's `log Σ_v p_v²` under the model, f32
-    /// `[B, Ts]`, detached (0 where the label is [`IGNORE`]): WPO's weight adjustment
-    /// ([`crate::head_loss::token_nll_sq`]; over a vocabulary split by TP, one more small
-    /// all-gather).
-    pub fn token_nll_packed_sq(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor, docs: &[Documents]) -> Result<(Tensor, Tensor)> {
-        self.token_nll_packed_stat(input_ids, labels, positions, docs, crate::head_loss::HeadStat::SumSq)
-    }
-
     /// [`Llama::token_nll_packed`] and each token's `stat` under the model
-    /// ([`crate::head_loss::HeadStat`]: `log Σ_v p_v²`, or the entropy of GRPO's
+    /// ([`crate::head_loss::HeadStat`]: `log Σ_v p_v²`, WPO's weight adjustment, or the entropy of GRPO's
     /// high-entropy tokens), f32 `[B, Ts]`, detached (0 where the label is [`IGNORE`]; over a
     /// vocabulary split by TP, one more small all-gather).
     pub fn token_nll_packed_stat(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor, docs: &[Documents], stat: crate::head_loss::HeadStat) -> Result<(Tensor, Tensor)> {

@@ -324,7 +324,7 @@ impl DpoBatch {
         let sb = shard_batch_packed(&self.ids, &self.documents, ctx)?;
         let (ids, labels_d, pos) = (sb.input_ids.to_device(dev)?, sb.labels.to_device(dev)?, sb.positions.to_device(dev)?);
         let (nll, sq) = match cfg.use_weighting {
-            true => model.token_nll_packed_sq(&ids, &labels_d, &pos, &sb.documents).map(|(n, q)| (n, Some(q)))?,
+            true => model.token_nll_packed_stat(&ids, &labels_d, &pos, &sb.documents, crate::head_loss::HeadStat::SumSq).map(|(n, q)| (n, Some(q)))?,
             false => (model.token_nll_packed(&ids, &labels_d, &pos, &sb.documents)?, None),
         };
         let host = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1() };
@@ -366,7 +366,7 @@ impl DpoBatch {
         let host = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1() };
         let (values, sq) = (host(nll)?, sq.map(host).transpose()?);
         if cfg.use_weighting != sq.is_some() {
-            bail!("dpo: WPO's weights need the head's log Σ p² per token (Llama::token_nll_packed_sq), and only WPO takes it")
+            bail!("dpo: WPO's weights need the head's log Σ p² per token (Llama::token_nll_packed_stat with HeadStat::SumSq), and only WPO takes it")
         }
         let Scored { plain: policy, ld, wpo, slots: scored, factor } = self.scored_logps(&values, sq.as_deref(), labels, marks, cfg.ld_alpha, ctx, group)?;
         let (terms, d_plain) = match kl {

@@ -100,7 +100,7 @@ pub mod rewards {
     }
 }
 
-/// How the per-token terms are normalised ([`GrpoConfig::loss_type`]).
+/// How the per-token terms are normalised, and CISPO's term ([`GrpoConfig::loss_type`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GrpoLoss {
     /// Each completion's mean over its tokens, then the mean over completions (GRPO's).
@@ -462,8 +462,6 @@ pub(crate) struct Rollout {
     pub(super) slots: Tensor,
     /// Per completion, its advantage `A_i`.
     pub(super) advantages: Vec<f64>,
-    /// Per completion, its tokens' weight `k_i·A_i`.
-    pub(super) weights: Vec<f64>,
     /// Per completion, its normalisation `k_i`.
     pub(super) norms: Vec<f64>,
     /// TRL's loss value at the ratio 1.
@@ -549,7 +547,7 @@ impl Rollout {
             bail!("grpo: the micro-batch's {} completions ({need} tokens with their prompts) do not fit in {batch} rows of {seq_len}: raise the batch or the sequence length, or lower prompts, num_generations or max_completion_length", docs.len())
         }
         let slots = Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?;
-        Ok(Rollout { docs, rows, slots, advantages: Vec::new(), weights: Vec::new(), norms: Vec::new(), value: 0.0, rewards, lengths, truncated, old: None })
+        Ok(Rollout { docs, rows, slots, advantages: Vec::new(), norms: Vec::new(), value: 0.0, rewards, lengths, truncated, old: None })
     }
 }
 
@@ -570,10 +568,16 @@ pub(crate) fn weigh_step(rollouts: &mut [Rollout], cfg: &GrpoConfig) -> Result<(
         let lengths = masked(r);
         // (a masked completion: no weight, no KL term)
         r.norms = norms(&lengths, cfg.loss_type, cfg.max_completion_length, step).into_iter().zip(&lengths).map(|(k, &l)| if l == 0 { 0.0 } else { k }).collect();
-        r.weights = r.advantages.iter().zip(&r.norms).map(|(a, k)| a * k).collect();
-        r.value = -r.weights.iter().zip(&lengths).map(|(w, &l)| w * l as f64).sum::<f64>();
+        r.value = -(0..lengths.len()).map(|k| r.weight(k) * lengths[k] as f64).sum::<f64>();
     }
     Ok(())
+}
+
+impl Rollout {
+    /// Completion `k`'s tokens' weight at the ratio 1, `k_k·A_k` (0 for a masked completion).
+    pub(super) fn weight(&self, k: usize) -> f64 {
+        self.advantages[k] * self.norms[k]
+    }
 }
 
 #[cfg(test)]

@@ -66,11 +66,15 @@ pub(crate) struct GrpoTerms {
 
 impl Rollout {
     /// The global index `b·T + t` of each of this rank's positions (as its per-token losses
-    /// are laid out).
+    /// are laid out: the token shard of [`shard_batch`]).
     fn positions(&self, ctx: &ParallelCtx) -> Result<Vec<u32>> {
         let (b, t) = self.slots.dims2()?;
         let idx = Tensor::arange(0u32, (b * t) as u32, &Device::Cpu)?.reshape((b, t))?;
-        shard_batch(&idx, ctx)?.input_ids.flatten_all()?.to_vec1()
+        let pos = Tensor::arange(0u32, t as u32, &Device::Cpu)?;
+        match crate::layout::shard_tokens(&[idx], &pos, b, t, ctx)?.first() {
+            Some(mine) => mine.flatten_all()?.to_vec1(),
+            None => bail!("grpo: no shard of the positions"),
+        }
     }
 
     /// Keeps this rank's per-token losses `values` (the forward of the step that sampled the
@@ -91,8 +95,8 @@ impl Rollout {
     }
 
     /// The micro-batch's loss node: `Σ_t w_t·nll_t` over this rank's completion targets (`nll`
-    /// its per-token losses, flattened, on the compute device; `labels` and `marks` the
-    /// shard's, as the trainer has them), `w_t` the clipped surrogate's derivative
+    /// its per-token losses, flattened, on the compute device, `values` the same on the host;
+    /// `labels` and `marks` the shard's, as the trainer has them), `w_t` the clipped surrogate's derivative
     /// `k_i·A_i·ρ` (or `k_i·A_i` before `π_old` is recorded: the ratio 1; 0 for a token below
     /// the entropy quantile, `entropy` the policy's per-token entropies, with
     /// `top_entropy_quantile` < 1) plus, with `beta` > 0 and the reference's per-token losses
@@ -100,10 +104,10 @@ impl Rollout {
     /// TRL's loss. Collective over `group` (the ranks holding distinct tokens) with the KL
     /// term, a ratio or the entropy quantile.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn loss(&self, nll: &Tensor, (ref_nll, entropy): (Option<&[f32]>, Option<&[f32]>), cfg: &GrpoConfig, (labels, marks): (&[u32], &[u32]), ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<GrpoTerms> {
+    pub(crate) fn loss(&self, (nll, values): (&Tensor, &[f32]), (ref_nll, entropy): (Option<&[f32]>, Option<&[f32]>), cfg: &GrpoConfig, (labels, marks): (&[u32], &[u32]), ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<GrpoTerms> {
         let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
         let n = slots.len();
-        if n != nll.elem_count() || labels.len() != n || marks.len() != n || ref_nll.is_some_and(|r| r.len() != n) || entropy.is_some_and(|e| e.len() != n) {
+        if n != nll.elem_count() || values.len() != n || labels.len() != n || marks.len() != n || ref_nll.is_some_and(|r| r.len() != n) || entropy.is_some_and(|e| e.len() != n) {
             bail!("grpo: {} per-token losses for {} labels, {} marks, {} slots, {:?} reference losses and {:?} entropies", nll.elem_count(), labels.len(), marks.len(), n, ref_nll.map(<[f32]>::len), entropy.map(<[f32]>::len))
         }
         let beta = cfg.beta;
@@ -117,10 +121,6 @@ impl Rollout {
             None => None,
         };
         let cispo = cfg.loss_type == super::grpo::GrpoLoss::Cispo;
-        let values: Vec<f32> = match kl_on || old.is_some() || cispo {
-            true => nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?,
-            false => Vec::new(),
-        };
         // this rank's targets: (position, completion)
         let targets: Vec<(usize, usize)> = (0..n).filter(|&i| slots[i] > 0 && labels[i] != IGNORE && marks[i] == 1).map(|i| (i, slots[i] as usize - 1)).collect();
         let c = self.rewards.len();
@@ -168,7 +168,7 @@ impl Rollout {
         let per_token = old.is_some() || high.is_some() || cispo;
         for &(i, k) in targets.iter().filter(|&&(_, k)| self.norms[k] > 0.0) {
             let mut wt = match (per_token, high.as_ref().is_none_or(|h| h[i])) {
-                (false, _) => self.weights[k],
+                (false, _) => self.weight(k),
                 (true, false) => 0.0,
                 (true, true) => {
                     let r = match (&old, &seq_ratio) {

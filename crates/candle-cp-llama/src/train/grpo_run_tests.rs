@@ -110,13 +110,13 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
             let old: Vec<f32> = old_model.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
             // (the reference: the old model too)
-            let no_ratio = r.loss(&nll, (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             let own: Vec<f32> = nll.to_vec1()?;
+            let no_ratio = r.loss((&nll, &own), (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             r.record_old(&own, &ctx, ctx.token_group())?;
-            let unit = r.loss(&nll, (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let unit = r.loss((&nll, &own), (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             assert!((unit.value - no_ratio.value).abs() < 1e-6 && unit.clipped == Some(0.0), "ratio 1: {} vs {}", unit.value, no_ratio.value);
             r.record_old(&old, &ctx, ctx.token_group())?;
-            let t = r.loss(&nll, (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let t = r.loss((&nll, &own), (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             // by autograd: per position its completion (slots), A and k
             let slots: Vec<u32> = shard_batch(&r.slots, &ctx)?.labels.flatten_all()?.to_vec1()?;
             let n = slots.len();
@@ -367,7 +367,7 @@ fn entropy_quantile_keeps_the_high_entropy_tokens() -> Result<()> {
             if with_old {
                 r.record_old(&reference, &ctx, ctx.token_group())?;
             }
-            let t = r.loss(&nll, (Some(&reference), Some(&ent)), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let t = r.loss((&nll, &nll.to_vec1::<f32>()?), (Some(&reference), Some(&ent)), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             let ratio = match with_old {
                 true => (&ref_t - &nll)?.exp()?,
                 // (the ratio 1 with its gradient: π_old the policy detached, as TRL's)

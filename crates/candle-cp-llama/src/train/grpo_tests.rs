@@ -178,9 +178,10 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
         let ref_nll: Vec<f32> = reference.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
         let kl_cfg = GrpoConfig { beta, ..cfg.clone() };
-        let crate::train::grpo_run::GrpoTerms { node, value, kl, clipped } = r.loss(&nll, (Some(&ref_nll), None), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+        let vals: Vec<f32> = nll.to_vec1()?;
+        let crate::train::grpo_run::GrpoTerms { node, value, kl, clipped } = r.loss((&nll, &vals), (Some(&ref_nll), None), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group())?;
         assert!(clipped.is_none(), "no ratio before π_old is recorded");
-        assert!(r.loss(&nll, (None, None), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
+        assert!(r.loss((&nll, &vals), (None, None), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
         let adv = advantages(&r.rewards, 4, ScaleRewards::None)?;
         let one_step = (r.lengths.iter().sum(), 1);
         let (w, value_a) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6, one_step);
@@ -380,7 +381,6 @@ fn truncated_completions_are_masked() -> Result<()> {
         rows: Vec::new(),
         slots: Tensor::zeros(1, DType::U32, &Device::Cpu).expect("slots"),
         advantages: Vec::new(),
-        weights: Vec::new(),
         norms: Vec::new(),
         value: 0.0,
         rewards,
@@ -392,18 +392,18 @@ fn truncated_completions_are_masked() -> Result<()> {
         let cfg = GrpoConfig { num_generations: 2, max_completion_length: 6, mask_truncated_completions: true, ..grpo_cfg(loss, ScaleRewards::None) };
         let mut step = [micro(vec![1.0, 0.0], vec![6, 3], vec![true, false]), micro(vec![0.5, 0.25], vec![2, 4], vec![false, false])];
         weigh_step(&mut step, &cfg)?;
-        assert_eq!((step[0].weights[0], step[0].norms[0]), (0.0, 0.0), "{loss:?}");
+        assert_eq!((step[0].weight(0), step[0].norms[0]), (0.0, 0.0), "{loss:?}");
         // (the truncated completion's reward still moves its partner's advantage: −0.5)
         let k = match loss {
             GrpoLoss::Bnpo => 1.0 / 3.0,
             GrpoLoss::Dapo => 2.0 / 9.0,
             _ => 1.0 / (3.0 * 2.0),
         };
-        assert!((step[0].weights[1] - -0.5 * k).abs() < 1e-12, "{loss:?}: {:?}", step[0].weights);
+        assert!((step[0].weight(1) - -0.5 * k).abs() < 1e-12, "{loss:?}: {}", step[0].weight(1));
         let unmasked = GrpoConfig { mask_truncated_completions: false, ..cfg.clone() };
         let mut step = [micro(vec![1.0, 0.0], vec![6, 3], vec![true, false])];
         weigh_step(&mut step, &unmasked)?;
-        assert!(step[0].weights[0] > 0.0, "{loss:?}");
+        assert!(step[0].weight(0) > 0.0, "{loss:?}");
     }
     Ok(())
 }

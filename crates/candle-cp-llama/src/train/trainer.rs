@@ -505,6 +505,7 @@ pub fn train_rank(
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
             let nll = nll.flatten_all()?;
+            let values: Vec<f32> = nll.detach().to_device(&host)?.to_vec1()?;
             // (DPO: the objective in f64 from its terms, not the node's f32 value, which carries
             // the linearised sum `Σ w_t·nll_t` — far larger than the loss where the weights are,
             // as under an α-divergence without a reference — to float32's precision)
@@ -515,7 +516,7 @@ pub fn train_rank(
                     // (the KL term: the reference's per-token losses of the same rows)
                     let ref_nll = g.reference_nll(&sb, &dev)?;
                     let entropy: Option<Vec<f32>> = sq.as_ref().map(|e| e.flatten_all()?.to_device(&host)?.to_vec1()).transpose()?;
-                    let t = g.rollout(micro)?.loss(&nll, (ref_nll.as_deref(), entropy.as_deref()), &g.cfg, (&labels, &lr_mask), &ctx, &token_group)?;
+                    let t = g.rollout(micro)?.loss((&nll, &values), (ref_nll.as_deref(), entropy.as_deref()), &g.cfg, (&labels, &lr_mask), &ctx, &token_group)?;
                     grpo_kl += t.kl;
                     if let Some(c) = t.clipped {
                         *grpo_clip.get_or_insert(0.0) += c;
@@ -558,7 +559,6 @@ pub fn train_rank(
                 Some(e) => e,
                 None => loss.to_scalar::<f32>()? as f64,
             };
-            let values: Vec<f32> = nll.detach().to_device(&host)?.to_vec1()?;
             // (GRPO with num_iterations > 1: this forward's losses are π_old's for the
             // generation's later steps)
             if let (Some(g), true) = (grpo.as_mut(), dpo.is_none()) {

@@ -11,7 +11,7 @@
 //!
 //! `log Σ_v p_v²` is the head's statistic beside each token's loss (one more pass over each
 //! chunk of logits; over a vocabulary split by TP, merged by a small all-gather:
-//! [`crate::Llama::token_nll_packed_sq`]); the per-answer sums are added over the ranks with
+//! [`crate::Llama::token_nll_packed_stat`], [`crate::head_loss::HeadStat::SumSq`]); the per-answer sums are added over the ranks with
 //! the log-probabilities' in the same all-gather. The weights are constants of the step, as
 //! TRL's (computed under `no_grad`): the pair losses' derivatives are scaled by them and
 //! nothing else changes. Batch-wide terms stay batch-wide — bco_pair's running mean δ is the

@@ -32,7 +32,7 @@ fn linearised_loss_has_the_gradients_of_ld_dpo_and_wpo() -> Result<()> {
             let mut rng = Rng::new(9);
             let reference: Vec<f64> = (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect();
             let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: None };
-            let (nll, sq) = one.m.token_nll_packed_sq(&one.sb.input_ids, &one.sb.labels, &one.sb.positions, &one.sb.documents)?;
+            let (nll, sq) = one.m.token_nll_packed_stat(&one.sb.input_ids, &one.sb.labels, &one.sb.positions, &one.sb.documents, crate::head_loss::HeadStat::SumSq)?;
             let (nll, sq) = (nll.flatten_all()?, cfg.use_weighting.then_some(&sq));
             // (the node refuses a statistic it does not take, and WPO without one)
             let other = DpoConfig { use_weighting: !cfg.use_weighting, ..cfg.clone() };
