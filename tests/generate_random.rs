@@ -14,6 +14,9 @@
 //! within 2e-4 (checked), for sampling a draw on a boundary of the cumulative probabilities
 //! (counted; must stay rare). From there on the two continuations are not comparable and the
 //! check stops. A draw the layout cannot run must be refused for a reason the draw explains.
+//! A third of the draws also batch 2 or 4 prompts of different lengths ([`Llama::generate_ragged`]):
+//! on one device each row must follow its prompt generated alone (greedy), and on the layout
+//! the batch must give the single device's batch.
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -29,13 +32,77 @@ const CONFIGS: u64 = 40;
 const TOL: f32 = 1e-4;
 
 fn generate(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: Layout, ids: &Tensor, new: usize, s: Sampling) -> Result<Vec<Generation>> {
+    generate_with(full, cfg, layout, |m| m.generate(ids, new, s))
+}
+
+fn generate_with(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: Layout, f: impl Fn(&Llama) -> Result<Generation> + Sync) -> Result<Vec<Generation>> {
     run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
         let vm = shard_tensors(full, cfg, &ctx)?;
-        Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), cfg, &ctx)?.generate(ids, new, s)
+        f(&Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), cfg, &ctx)?)
     })
     .into_iter()
     .collect()
+}
+
+/// Generations `got` against `want` (the same rows) step by step until the tokens part, which
+/// greedy decoding may do only on a near tie of `want`'s logits; returns whether they parted.
+/// `rows` maps got's rows to want's (`None`: all, in order); steps past `want`'s end are not
+/// compared.
+fn follows(got: &Generation, want: &Generation, rows: &[(usize, usize)], greedy: bool, what: &str) -> Result<bool> {
+    for i in 0..want.logits.len().min(got.logits.len()) {
+        for &(g, w) in rows {
+            let e = max_abs_diff(&got.logits[i].get(g)?, &want.logits[i].get(w)?)?;
+            assert!(e < TOL, "{what}: token {i} row {g}: logits differ by {e:.2e}");
+        }
+        for &(g, w) in rows {
+            let (mine, theirs) = (got.tokens[g].get(i), want.tokens[w].get(i));
+            if mine != theirs {
+                if greedy {
+                    let gap = top2_gap(&want.logits[i].get(w)?.to_vec1::<f32>()?);
+                    assert!(gap < 2.0 * TOL, "{what}: token {i} row {g}: {mine:?} vs {theirs:?} with the best two logits {gap:.2e} apart");
+                }
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// Prompts of different lengths in one batch ([`Llama::generate_ragged`]): on one device each
+/// row follows its prompt generated alone (greedy), and on `layout` the batch gives the
+/// single device's batch (ranks bit for bit alike). Returns (parted, refused).
+#[allow(clippy::too_many_arguments)]
+fn ragged(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: Layout, prompts: &[Vec<u32>], new: usize, sampling: Sampling, what: &str) -> Result<(usize, bool)> {
+    let mut parted = 0;
+    let rows: Vec<(usize, usize)> = (0..prompts.len()).map(|i| (i, i)).collect();
+    let one = generate_with(full, cfg, Layout::single(), |m| m.generate_ragged(prompts, new, Sampling::Greedy, &[]))?.remove(0);
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = Tensor::from_vec(p.clone(), (1, p.len()), &Device::Cpu)?;
+        let alone = generate(full, cfg, Layout::single(), &ids, new, Sampling::Greedy)?.remove(0);
+        parted += follows(&one, &alone, &[(i, 0)], true, &format!("{what}: ragged prompt {i} (length {}) against itself alone", p.len()))? as usize;
+    }
+    let one = match sampling {
+        Sampling::Greedy => one,
+        s => generate_with(full, cfg, Layout::single(), |m| m.generate_ragged(prompts, new, s, &[]))?.remove(0),
+    };
+    let gens = match generate_with(full, cfg, layout, |m| m.generate_ragged(prompts, new, sampling, &[])) {
+        Ok(g) => g,
+        Err(e) => {
+            let msg = e.to_string();
+            let explained = ["divisible", "must divide", "needs", "multiple of"].iter().any(|k| msg.contains(k));
+            assert!(explained && !msg.contains("panicked"), "{what}: ragged refused for an unexpected reason: {msg}");
+            return Ok((parted, true));
+        }
+    };
+    for (r, g) in gens.iter().enumerate().skip(1) {
+        assert_eq!(g.tokens, gens[0].tokens, "{what}: ragged: rank {r}'s tokens differ from rank 0's");
+        for (i, (x, y)) in g.logits.iter().zip(&gens[0].logits).enumerate() {
+            assert_eq!(max_abs_diff(x, y)?, 0.0, "{what}: ragged: rank {r}'s logits of token {i} differ from rank 0's");
+        }
+    }
+    parted += follows(&gens[0], &one, &rows, sampling == Sampling::Greedy, &format!("{what}: ragged batch on the layout against one device"))? as usize;
+    Ok((parted, false))
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -60,6 +127,7 @@ fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
     let (mut oss, mut smol, mut olmos, mut exaones, mut granites, mut glm4s, mut glm45s, mut deepseeks) = (0, 0, 0, 0, 0, 0, 0, 0);
     let mut cuts = 0;
+    let (mut ragged_checked, mut ragged_refused, mut ragged_parted) = (0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -226,6 +294,25 @@ fn random_generation_equals_single_device() -> Result<()> {
                 }
             }
         }
+        // a third of the draws also generate prompts of different lengths in one batch (2 or 4
+        // prompts, one of the drawn length; a stream of its own)
+        let mut rg = rng(7300 + seed);
+        if rg.below(3) == 0 {
+            let n = pick(&mut rg, &[2usize, 4]);
+            let prompts: Vec<Vec<u32>> = (0..n)
+                .map(|i| {
+                    let len = if i == 0 { t } else { 1 + rg.below(t) };
+                    (0..len).map(|j| ((j * 7 + i * 13 + seed as usize * 5 + j * j) % vocab) as u32).collect()
+                })
+                .collect();
+            let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+            let (p, r) = ragged(&full, &cfg, layout, &prompts, new, sampling, &format!("{what}, ragged lengths {lens:?}"))?;
+            ragged_parted += p;
+            match r {
+                true => ragged_refused += 1,
+                false => ragged_checked += 1,
+            }
+        }
         checked += 1;
         oss += gpt_oss as usize;
         smol += smollm3 as usize;
@@ -241,9 +328,9 @@ fn random_generation_equals_single_device() -> Result<()> {
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({cuts} from a prompt cut short of the layout's multiple, {sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4, {glm45s} GLM-4.5, {deepseeks} DeepSeek-V3 or -V2; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({cuts} from a prompt cut short of the layout's multiple, {sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4, {glm45s} GLM-4.5, {deepseeks} DeepSeek-V3 or -V2; {parted} parted on a tie), {refused} refused; ragged batches: {ragged_checked} checked, {ragged_refused} refused, {ragged_parted} parted on a tie");
     assert!(
-        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
+        checked >= n_configs as usize / 2 && parted * 50 <= checked && ragged_parted * 10 <= ragged_checked.max(1) && (!corners || ragged_checked >= 5) && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"
     );
     Ok(())

@@ -61,8 +61,12 @@ pub struct KvCache {
     absorbed: Vec<Option<crate::mla::Absorbed>>,
     /// Batch rows `B` (fixed by the prefill).
     batch: usize,
-    /// Global position of the next token to decode (`T` after the prefill).
+    /// Global position (slot) of the next token to decode (`T` after the prefill).
     next: usize,
+    /// Per batch row (this replica's), the slot of its first token when prompts of different
+    /// lengths were padded on the left ([`Llama::generate_ragged`]): row `b`'s token at slot
+    /// `s` has RoPE position `s - starts[b]`. Empty: no padding.
+    pub(crate) starts: Vec<usize>,
 }
 
 impl KvCache {
@@ -84,9 +88,17 @@ impl KvCache {
     }
 
     /// Global position of the next token [`Llama::decode_step`] decodes (`T` after a prefill
-    /// of `T` tokens, then one more per step).
+    /// of `T` tokens, then one more per step). In a left-padded batch
+    /// ([`Llama::generate_ragged`]) this is the slot; row `b`'s position is the slot minus
+    /// [`KvCache::row_starts`]`[b]`.
     pub fn next_position(&self) -> usize {
         self.next
+    }
+
+    /// Per batch row, the slot of its first prompt token in a left-padded batch (empty when
+    /// no row is padded).
+    pub fn row_starts(&self) -> &[usize] {
+        &self.starts
     }
 
     /// Batch rows `B` of the cache.
@@ -232,6 +244,34 @@ impl Llama {
         Ok((rope_tables_at(c, positions, seq_len, DType::F32, dev)?, local))
     }
 
+    /// RoPE tables of decode step `p` (a slot): `[1, D]` at position `p` (`p - s` when every
+    /// row starts at slot `s`), or `[B, 1, D]` with row `b` at `p - starts[b]` (each with the
+    /// sequence length its own position implies, as [`Llama::rope_pair`]).
+    #[allow(clippy::type_complexity)]
+    fn decode_tables(&self, p: usize, starts: &[usize], dev: &candle_core::Device) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
+        let at = |s: usize| -> Result<_> {
+            let q = p.checked_sub(s).ok_or_else(|| candle_core::Error::Msg(format!("Llama::decode_step: slot {p} before a row's start {s}")))?;
+            self.rope_pair(&[q as u32], q + 1, dev)
+        };
+        match starts.first() {
+            None => at(0),
+            Some(&s) if starts.iter().all(|&x| x == s) => at(s),
+            Some(_) => {
+                let rows = starts.iter().map(|&s| at(s)).collect::<Result<Vec<_>>>()?;
+                let stack = |pick: &dyn Fn(&((Tensor, Tensor), Option<(Tensor, Tensor)>)) -> Option<(Tensor, Tensor)>| -> Result<Option<(Tensor, Tensor)>> {
+                    let parts: Vec<(Tensor, Tensor)> = rows.iter().filter_map(pick).collect();
+                    if parts.is_empty() {
+                        return Ok(None);
+                    }
+                    let (c, s): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
+                    Ok(Some((Tensor::stack(&c, 0)?, Tensor::stack(&s, 0)?)))
+                };
+                let global = stack(&|r| Some(r.0.clone()))?.ok_or_else(|| candle_core::Error::Msg("Llama::decode_step: no rows".into()))?;
+                Ok((global, stack(&|r| r.1.clone())?))
+            }
+        }
+    }
+
     /// Logits `[B, T, V]` of hidden states `[B, T, h]` replicated on the TP ranks (the
     /// vocabulary slices all-gathered when the head is split).
     fn logits_whole(&self, h: &Tensor) -> Result<Tensor> {
@@ -256,7 +296,7 @@ impl Llama {
     }
 
     /// Token ids `[..]` as u32, checked against the vocabulary.
-    fn checked_ids(&self, ids: &Tensor, what: &str) -> Result<Tensor> {
+    pub(crate) fn checked_ids(&self, ids: &Tensor, what: &str) -> Result<Tensor> {
         // ids may come from the host: they go where the embedding lives
         let ids = ids.to_dtype(DType::U32)?.to_device(self.embed.device())?;
         if ids.elem_count() > 0 {
@@ -306,16 +346,27 @@ impl Llama {
         let [ids, pos] = parts.as_slice() else {
             bail!("Llama::prefill: internal error (shards)")
         };
-        let b = ids.dim(0)?; // this DP replica's rows
         let positions = pos.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-        let (heads, scale) = self.heads();
-        let ((cos, sin), local) = self.rope_pair(&positions, t, ids.device())?;
+        let tables = self.rope_pair(&positions, t, ids.device())?;
         let rows: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+        self.prefill_shard(ids, &rows, t, tables, None, Vec::new())
+    }
+
+    /// The prefill of this rank's shard `ids [Bd, Tc]` (global slots `rows`, `t` in all) with
+    /// RoPE `tables` (`[Tc, D]`, or `[Bd, Tc, D]` per row), documents `docs` (a left-padded
+    /// batch: per row its padding and its prompt) and the rows' `starts` (empty: no padding).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn prefill_shard(&self, ids: &Tensor, rows: &[usize], t: usize, tables: ((Tensor, Tensor), Option<(Tensor, Tensor)>), docs: Option<&[candle_cp_ops::packing::Documents]>, starts: Vec<usize>) -> Result<(KvCache, Tensor)> {
+        let ctx = &self.ctx;
+        let b = ids.dim(0)?; // this DP replica's rows
+        let (heads, scale) = self.heads();
+        let ((cos, sin), local) = tables;
         let mut cache = KvCache {
             layers: Vec::with_capacity(self.cfg.num_hidden_layers),
             absorbed: Vec::with_capacity(self.cfg.num_hidden_layers),
             batch: b,
             next: t,
+            starts: starts.clone(),
         };
         self.router_log.clear();
         let mut x = self.embed_whole(ids)?;
@@ -325,25 +376,26 @@ impl Llama {
                 _ => (&cos, &sin),
             };
             let mut shard = KvShard::new();
+            shard.set_row_starts(starts.clone());
             let (q, k, v) = match &blk.mla {
                 // DeepSeek: the latent rows, keys and values of one KV head, cached once, and
                 // the absorbed decode's weights (crate::mla)
                 Some(m) => {
                     let (q, k, v, latent) = m.qkv_rows(&blk.normed_input(&x)?, &blk.qkv, heads.0, (c, s))?;
-                    shard.append_shared(&latent.detach(), &rows)?;
+                    shard.append_shared(&latent.detach(), rows)?;
                     cache.absorbed.push(Some(m.absorbed_weights(heads.0)?));
                     (q, k, v)
                 }
                 None => {
                     let (q, k, v) = blk.qkv_rope(&x, heads, (c, s))?;
-                    shard.append(&k.detach(), &v.detach(), &rows)?;
+                    shard.append(&k.detach(), &v.detach(), rows)?;
                     cache.absorbed.push(None);
                     (q, k, v)
                 }
             };
             cache.layers.push(shard);
             let sinks = blk.sinks.as_ref().map(Sinks::new).transpose()?;
-            let a = attend_sinks(&q, &k, &v, ctx, scale, None, blk.window, sinks.as_ref())?;
+            let a = attend_sinks(&q, &k, &v, ctx, scale, docs, blk.window, sinks.as_ref())?;
             x = blk
                 .finish(&x, &a.flatten_from(2)?)?
                 .detach();
@@ -383,7 +435,7 @@ impl Llama {
         let p = cache.next;
         let owner = decode_owner(p, ctx.cp.size()) == ctx.cp.rank();
         let (heads, scale) = self.heads();
-        let ((cos, sin), local) = self.rope_pair(&[p as u32], p + 1, ids.device())?;
+        let ((cos, sin), local) = self.decode_tables(p, &cache.starts, ids.device())?;
         // (the router log holds this step's routing only)
         self.router_log.clear();
         let mut x = self.embed_whole(&ids.reshape((b, 1))?)?;
@@ -475,7 +527,7 @@ impl Llama {
         let (heads, _) = self.heads();
         let blocks = self.generation_blocks()?;
         let absorbed = blocks.iter().map(|b| b.mla.as_ref().map(|m| m.absorbed_weights(heads.0)).transpose()).collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { layers: vec![KvShard::new(); blocks.len()], absorbed, batch: bd, next: 0 })
+        Ok(KvCache { layers: vec![KvShard::new(); blocks.len()], absorbed, batch: bd, next: 0, starts: Vec::new() })
     }
 
     /// [`Llama::generate`] that ends each row at its first token in `stop` (kept as the row's
@@ -497,7 +549,7 @@ impl Llama {
             &[b, t] if b > 0 && t > 0 => (b, t),
             _ => bail!("Llama::generate_until: prompt must be [B, T] token ids with B, T >= 1, got {:?}", prompt.dims()),
         };
-        let mut sampler = Sampler::new(sampling)?;
+        let sampler = Sampler::new(sampling)?;
         let t0 = Instant::now();
         let whole = t - t % self.prompt_multiple();
         let dp = &self.ctx.dp;
@@ -519,6 +571,14 @@ impl Llama {
             local = Some(self.decode_step(&mut cache, &rows.narrow(1, i, 1)?.squeeze(1)?.contiguous()?)?);
         }
         let Some(local) = local else { bail!("Llama::generate_until: internal error (no logits for prompt {:?})", prompt.dims()) };
+        self.decode_rows(cache, local, t0, (max_new_tokens, sampler), stop)
+    }
+
+    /// Generation from a filled `cache` and its replica's first logits `local [Bd, V]` (made
+    /// from `t0` on): up to `max_new_tokens` tokens per row chosen by `sampler`, rows ending at
+    /// a token of `stop`.
+    pub(crate) fn decode_rows(&self, mut cache: KvCache, local: Tensor, t0: Instant, (max_new_tokens, mut sampler): (usize, Sampler), stop: &[u32]) -> Result<Generation> {
+        let dp = &self.ctx.dp;
         // every row's logits on every rank: [B, V]
         let all_rows = |l: Tensor| -> Result<Tensor> {
             if dp.size() > 1 {

@@ -271,8 +271,8 @@ impl GrpoRun {
 
     /// Samples, rewards and weighs step `step`'s completions (`cfg.grad_accum` micro-batches)
     /// by `model` as it is and keeps them. Collective over the world.
-    pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, (ctx, dev): (&ParallelCtx, &Device)) -> Result<()> {
-        let mut r = (0..cfg.grad_accum).map(|micro| super::grpo::rollout(model, &self.cfg, &self.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), dev)).collect::<Result<Vec<_>>>()?;
+    pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, ctx: &ParallelCtx) -> Result<()> {
+        let mut r = (0..cfg.grad_accum).map(|micro| super::grpo::rollout(model, &self.cfg, &self.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len))).collect::<Result<Vec<_>>>()?;
         // (every rank must weigh the same rewards: a reward function that is not a function of
         // its completion would part them silently)
         let all: Vec<f64> = r.iter().flat_map(|x| x.rewards.iter().copied()).collect();
@@ -357,19 +357,28 @@ impl GrpoRun {
 
     /// The held-out reward: the mean reward of one greedy completion of every held-out prompt
     /// (at most `max_completion_length` tokens, ending at the stop tokens) under `model` as it
-    /// is; `None` without held-out prompts. Each prompt is generated as `dp` copies of itself
-    /// (every DP replica one row). Collective over the world.
-    pub(crate) fn evaluate(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Option<f64>> {
+    /// is; `None` without held-out prompts. The prompts are generated in batches of a
+    /// rollout's rows (`prompts · num_generations`, [`Llama::generate_ragged`]), each batch
+    /// filled up to a multiple of `dp` with copies of its last prompt. Collective over the
+    /// world.
+    pub(crate) fn evaluate(&self, model: &Llama, ctx: &ParallelCtx) -> Result<Option<f64>> {
         let Some(set) = &self.eval else { return Ok(None) };
         model.set_lora_dropout(None)?;
         let dp = ctx.layout.dp.max(1);
+        let per_batch = (self.cfg.prompts * self.cfg.num_generations).max(dp);
         let mut total = 0.0;
-        for i in 0..set.len() {
-            let (prompt, answer) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no held-out prompt {i}")))?;
-            let ids = Tensor::from_vec(prompt.repeat(dp), (dp, prompt.len()), dev)?;
-            let out = model.generate_until(&ids, self.cfg.max_completion_length, crate::sampling::Sampling::Greedy, &self.cfg.stop)?;
-            let completion = out.tokens.first().ok_or_else(|| candle_core::Error::Msg("grpo: no completion".into()))?;
-            total += (self.cfg.reward)(prompt, completion, answer)?;
+        for first in (0..set.len()).step_by(per_batch) {
+            let held = (first..set.len().min(first + per_batch))
+                .map(|i| set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no held-out prompt {i}"))))
+                .collect::<Result<Vec<_>>>()?;
+            let mut rows: Vec<Vec<u32>> = held.iter().map(|(p, _)| p.to_vec()).collect();
+            while !rows.len().is_multiple_of(dp) {
+                rows.push(rows[rows.len() - 1].clone());
+            }
+            let out = model.generate_ragged(&rows, self.cfg.max_completion_length, crate::sampling::Sampling::Greedy, &self.cfg.stop)?;
+            for ((prompt, answer), completion) in held.iter().zip(&out.tokens) {
+                total += (self.cfg.reward)(prompt, completion, answer)?;
+            }
         }
         Ok(Some(total / set.len().max(1) as f64))
     }

@@ -447,7 +447,7 @@ pub fn train_rank(
         if let Some(g) = grpo.as_mut() {
             if g.samples_at(step)? {
                 param_gather.finish()?;
-                g.sample(&model, cfg, step, (&ctx, &dev))?;
+                g.sample(&model, cfg, step, &ctx)?;
             }
         }
         for micro in 0..cfg.grad_accum {
@@ -637,7 +637,7 @@ pub fn train_rank(
             // (GRPO: the held-out prompts' greedy completions' mean reward)
             Some(e) if e.due(step + 1, cfg.steps) && grpo.is_some() => {
                 param_gather.finish()?;
-                eval_reward = grpo.as_ref().map(|g| g.evaluate(&model, &ctx, &dev)).transpose()?.flatten();
+                eval_reward = grpo.as_ref().map(|g| g.evaluate(&model, &ctx)).transpose()?.flatten();
                 (None, None, None)
             }
             Some(e) if e.due(step + 1, cfg.steps) => {

@@ -35,6 +35,9 @@ pub struct KvShard {
     /// rows); rows `0..positions.len()` are in use.
     buf: Option<(Tensor, Option<Tensor>)>,
     positions: Vec<usize>,
+    /// Per batch row, the first position holding one of its keys (rows before it are left
+    /// padding, seen by no query of that row); empty: every row starts at 0.
+    starts: Vec<usize>,
 }
 
 impl KvShard {
@@ -113,6 +116,21 @@ impl KvShard {
         self.buf = Some((kb, vb));
         self.positions.extend_from_slice(positions);
         Ok(())
+    }
+
+    /// Marks batch row `b`'s keys at positions before `starts[b]` as padding: no query of row
+    /// `b` sees them ([`sharded_decode_attention`]). A batch of prompts of different lengths,
+    /// padded on the left to one length, keeps its padding's rows in the cache (every row of
+    /// the buffer has the same positions) and masks them by this. `starts` must hold one entry
+    /// per batch row (checked by the attention against `q`'s `B`); empty: no padding.
+    pub fn set_row_starts(&mut self, starts: Vec<usize>) {
+        self.starts = starts;
+    }
+
+    /// Per batch row, the first position holding one of its keys ([`KvShard::set_row_starts`];
+    /// empty when no row is padded).
+    pub fn row_starts(&self) -> &[usize] {
+        &self.starts
     }
 
     /// Number of cached rows.
@@ -206,31 +224,65 @@ pub fn decode_owner(pos: usize, p: usize) -> usize {
 }
 
 /// This rank's partial attention: f32 out `[B, Tq, H, D]`, lse `[B, H, Tq]` of `q` against
-/// the shard's rows visible from each query (position `<= qp`, and `> qp - window`).
+/// the shard's rows visible from each query (position `<= qp`, and `> qp - window`, and for
+/// batch row `b` not before its start, [`KvShard::set_row_starts`]).
 fn local_partial(q: &Tensor, q_positions: &[usize], shard: &KvShard, scale: Scores, window: Option<usize>) -> Result<(Tensor, Tensor)> {
+    let Some((k, v)) = shard.kv() else { return Ok(no_keys(q)?) };
+    let starts = shard.row_starts();
+    let padded = starts.iter().any(|&s| shard.positions().iter().any(|&kp| kp < s));
+    if !padded {
+        return rows_partial(q, q_positions, (&k, &v), shard.positions(), scale, window, 0);
+    }
+    // left padding: the batch rows grouped by their start, each group against its own keys
+    let mut groups: Vec<(usize, Vec<u32>)> = Vec::new();
+    for (row, &s) in starts.iter().enumerate() {
+        match groups.iter_mut().find(|(g, _)| *g == s) {
+            Some((_, rows)) => rows.push(row as u32),
+            None => groups.push((s, vec![row as u32])),
+        }
+    }
+    let (mut outs, mut lses, mut order) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, rows) in &groups {
+        let idx = Tensor::new(rows.as_slice(), q.device())?;
+        let pick = |x: &Tensor| x.contiguous()?.index_select(&idx, 0);
+        let (o, l) = rows_partial(&pick(q)?, q_positions, (&pick(&k)?, &pick(&v)?), shard.positions(), scale, window, *s)?;
+        outs.push(o);
+        lses.push(l);
+        order.extend_from_slice(rows);
+    }
+    // back to batch order
+    let mut inverse = vec![0u32; order.len()];
+    for (i, &row) in order.iter().enumerate() {
+        inverse[row as usize] = i as u32;
+    }
+    let inverse = Tensor::new(inverse.as_slice(), q.device())?;
+    Ok((Tensor::cat(&outs, 0)?.index_select(&inverse, 0)?, Tensor::cat(&lses, 0)?.index_select(&inverse, 0)?))
+}
+
+/// The partial result of a query that sees no key: out 0 `[B, Tq, H, D]`, lse `-inf`
+/// `[B, H, Tq]` (f32; the merge gives it no weight).
+fn no_keys(q: &Tensor) -> Result<(Tensor, Tensor)> {
     let (b, tq, h, d) = q.dims4()?;
-    let empty = || -> Result<(Tensor, Tensor)> {
-        Ok((
-            Tensor::zeros((b, tq, h, d), DType::F32, q.device())?,
-            Tensor::full(f32::NEG_INFINITY, (b, h, tq), q.device())?,
-        ))
-    };
-    let Some((k, v)) = shard.kv() else { return empty() };
-    let (k, v) = (&k, &v);
-    let visible = |qp: usize, kp: usize| kp <= qp && window.is_none_or(|w| qp - kp < w);
+    Ok((Tensor::zeros((b, tq, h, d), DType::F32, q.device())?, Tensor::full(f32::NEG_INFINITY, (b, h, tq), q.device())?))
+}
+
+/// [`local_partial`] of the batch rows in `q` against keys `k, v` at `positions`, the keys
+/// before `start` hidden from every query.
+fn rows_partial(q: &Tensor, q_positions: &[usize], (k, v): (&Tensor, &Tensor), positions: &[usize], scale: Scores, window: Option<usize>, start: usize) -> Result<(Tensor, Tensor)> {
+    let visible = |qp: usize, kp: usize| kp >= start && kp <= qp && window.is_none_or(|w| qp - kp < w);
     // common case: every row visible from every query (decode: all cached keys are older)
-    if q_positions.iter().all(|&qp| shard.positions().iter().all(|&kp| visible(qp, kp))) {
+    if q_positions.iter().all(|&qp| positions.iter().all(|&kp| visible(qp, kp))) {
         return attention_fwd(q, k, v, &Mask::Full, scale);
     }
     // otherwise one query row at a time against its visible rows
     let (k, v) = (&k.contiguous()?, &v.contiguous()?);
-    let mut outs = Vec::with_capacity(tq);
-    let mut lses = Vec::with_capacity(tq);
+    let mut outs = Vec::with_capacity(q_positions.len());
+    let mut lses = Vec::with_capacity(q_positions.len());
     for (i, &qp) in q_positions.iter().enumerate() {
-        let rows: Vec<u32> = shard.positions().iter().enumerate().filter(|(_, &kp)| visible(qp, kp)).map(|(j, _)| j as u32).collect();
+        let rows: Vec<u32> = positions.iter().enumerate().filter(|(_, &kp)| visible(qp, kp)).map(|(j, _)| j as u32).collect();
         let qi = q.narrow(1, i, 1)?;
         let (o, l) = if rows.is_empty() {
-            (Tensor::zeros((b, 1, h, d), DType::F32, q.device())?, Tensor::full(f32::NEG_INFINITY, (b, h, 1), q.device())?)
+            no_keys(&qi)?
         } else {
             let idx = Tensor::new(rows, k.device())?;
             attention_fwd(&qi, &k.index_select(&idx, 1)?, &v.index_select(&idx, 1)?, &Mask::Full, scale)?
@@ -247,7 +299,8 @@ fn local_partial(q: &Tensor, q_positions: &[usize], shard: &KvShard, scale: Scor
 /// - `q [B, Tq, H, D]` and `q_positions` (`Tq` global positions): the same on every rank;
 /// - `shard`: this rank's rows of the cache (with `Hkv` dividing `H`, GQA), already holding the
 ///   new tokens' own K/V wherever they were appended;
-/// - a key at `kp` is visible from a query at `qp` iff `kp <= qp` (and `qp - kp < window`).
+/// - a key at `kp` is visible from a query at `qp` iff `kp <= qp` (and `qp - kp < window`),
+///   and, in batch row `b` of a left-padded cache, `kp >= starts[b]` ([`KvShard::set_row_starts`]).
 ///
 /// Returns out `[B, Tq, H, D]` in q's dtype and lse f32 `[B, H, Tq]` of the attention over
 /// the whole cache, identical (bitwise) on every rank. Collective over `group` (one small
@@ -301,6 +354,9 @@ pub fn sharded_decode_attention_sinks(
                 q.dtype()
             )
         }
+    }
+    if !shard.row_starts().is_empty() && shard.row_starts().len() != b {
+        bail!("sharded_decode_attention: {} row starts in the cache for q {:?} (one per batch row)", shard.row_starts().len(), q.shape())
     }
     let (o, l) = local_partial(q, q_positions, shard, scale, window)?;
     // one all-gather of [out | lse] per rank: [P, B, Tq, H, D + 1]
@@ -390,6 +446,58 @@ mod tests {
                     match &first {
                         None => first = Some(bits),
                         Some(f) => assert_eq!(f, &bits, "rank {r} differs from rank 0"),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Left-padded rows (starts 0, 5, 2 of a 12-token prompt, the padding's keys random):
+    /// decoding equals each row's causal attention over its own keys alone, on 1, 2 and 3
+    /// zigzag ranks, with and without a window; a wrong number of starts is an error.
+    #[test]
+    fn padded_rows_see_only_their_keys() -> Result<()> {
+        let (b, h, hkv, d, t) = (3usize, 4usize, 2usize, 8usize, 12usize);
+        let starts = [0usize, 5, 2];
+        let total = t + 2;
+        let q = randn(4, &[b, total, h, d], 1.0)?;
+        let k = randn(5, &[b, total, hkv, d], 1.0)?;
+        let v = randn(6, &[b, total, hkv, d], 1.0)?;
+        for window in [None, Some(4)] {
+            let mask = window.map_or(Mask::causal(), Mask::sliding_window);
+            for p in [1usize, 2, 3] {
+                let res = run_ranks(p, |g: Group| {
+                    let r = g.rank();
+                    let layout = crate::cp::Layout::Zigzag;
+                    let mut shard = KvShard::new();
+                    let pos = crate::cp::positions(layout, r, p, t)?;
+                    let sh = |x: &Tensor| crate::cp::shard(&x.narrow(1, 0, t)?, layout, r, p, 1);
+                    shard.append(&sh(&k)?, &sh(&v)?, &pos)?;
+                    shard.set_row_starts(starts.to_vec());
+                    let mut outs = Vec::new();
+                    for qp in [t, t + 1] {
+                        if decode_owner(qp, p) == r {
+                            shard.append(&k.narrow(1, qp, 1)?, &v.narrow(1, qp, 1)?, &[qp])?;
+                        }
+                        outs.push(sharded_decode_attention(&q.narrow(1, qp, 1)?, &[qp], &shard, &g, 0.3, window)?);
+                    }
+                    // one start too few
+                    shard.set_row_starts(starts[..2].to_vec());
+                    let e = sharded_decode_attention(&q.narrow(1, t, 1)?, &[t], &shard, &g, 0.3, window).map(|_| ());
+                    assert!(e.as_ref().is_err_and(|e| e.to_string().contains("row starts")), "{e:?}");
+                    Ok(outs)
+                });
+                for (r, x) in res.into_iter().enumerate() {
+                    for (i, (o, l)) in x?.iter().enumerate() {
+                        for (row, &s) in starts.iter().enumerate() {
+                            let own = |x: &Tensor| x.narrow(0, row, 1)?.narrow(1, s, total - s);
+                            let (want, want_lse) = attention_slow(&own(&q)?, &own(&k)?, &own(&v)?, &mask, 0.3)?;
+                            let at = t + i - s;
+                            let e = (o.narrow(0, row, 1)? - want.narrow(1, at, 1)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                            let el = (l.narrow(0, row, 1)? - want_lse.narrow(2, at, 1)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                            assert!(e < 1e-5 && el < 1e-5, "window {window:?} P={p} rank {r} step {i} row {row}: out {e}, lse {el}");
+                        }
                     }
                 }
             }
