@@ -36,7 +36,9 @@ pub(crate) struct GrpoArgs {
     /// The per-token normalisation: grpo (each completion's mean, then the mean), bnpo (every
     /// token of a micro-batch alike), dr_grpo (a constant) or dapo (every token of the step
     /// alike; TRL's default); or cispo (MiniMax-M1: every token's gradient weighted by its
-    /// ratio capped at --epsilon-high, TRL recommends 5; normalised as dapo).
+    /// ratio capped at --epsilon-high, TRL recommends 5; normalised as dapo), or sapo (Qwen's
+    /// SAPO: a soft gate σ(τ·(ρ − 1))·4/τ in place of the clip, τ from --sapo-temperatures;
+    /// normalised as dapo).
     #[arg(long, default_value = "grpo")]
     pub(crate) grpo_loss: String,
     /// Advantages divided by the group's reward spread (group), the micro-batch's (batch) or
@@ -74,6 +76,10 @@ pub(crate) struct GrpoArgs {
     /// entropy under the policy (TRL's top_entropy_quantile; 1: all).
     #[arg(long, default_value_t = 1.0)]
     pub(crate) top_entropy_quantile: f64,
+    /// SAPO's gate temperatures for tokens of a positive and of a negative advantage
+    /// (--grpo-loss sapo; the paper's 1.0,1.05).
+    #[arg(long, value_delimiter = ',', num_args = 2, value_name = "POS,NEG", default_values_t = [1.0, 1.05])]
+    pub(crate) sapo_temperatures: Vec<f64>,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0), tokens (the fraction of positions that match), finished (1 when the completion
     /// ends with the end-of-sequence id) or command (--reward-command's); several, comma
@@ -148,6 +154,10 @@ impl GrpoArgs {
             importance_sampling_level: self.importance_sampling_level.parse::<ImportanceLevel>()?,
             delta: self.delta,
             top_entropy_quantile: self.top_entropy_quantile,
+            sapo_temperatures: match self.sapo_temperatures.as_slice() {
+                &[p, n] => (p, n),
+                t => anyhow::bail!("--sapo-temperatures takes two numbers POS,NEG, got {t:?}"),
+            },
         };
         c.validate()?;
         Ok(Some(c))

@@ -1,6 +1,6 @@
 //! Seeded random GRPO runs: a few optimizer steps of online RL on a drawn layout (every CP
 //! kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage, recompute
-//! and overlaps, and a drawn objective (grpo, bnpo, dr_grpo, dapo or cispo; rewards scaled by the group,
+//! and overlaps, and a drawn objective (grpo, bnpo, dr_grpo, dapo, cispo or sapo; rewards scaled by the group,
 //! the batch or not; 2 or 4 completions of 1 or 2 prompts, 4 or 6 tokens at most, temperature
 //! 1 or 0.7 with or without top-k; the KL term or not; truncated completions masked or not; 1, 2 or 3 iterations per generation,
 //! the clipped ratio per token or per sequence (GSPO), ε_high 0.2 or 0.28, the two-sided cap δ 1.5
@@ -51,7 +51,7 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         max_completion_length: pick(d, &[4, 6]),
         sampling: Sampling::Sample { temperature: pick(d, &[1.0, 0.7]), top_k: pick(d, &[0, 20]), top_p: 1.0, seed: d.below(1000) as u64 },
         stop: vec![2],
-        loss_type: pick(d, &[GrpoLoss::Grpo, GrpoLoss::Bnpo, GrpoLoss::DrGrpo, GrpoLoss::Dapo, GrpoLoss::Cispo]),
+        loss_type: pick(d, &[GrpoLoss::Grpo, GrpoLoss::Bnpo, GrpoLoss::DrGrpo, GrpoLoss::Dapo, GrpoLoss::Cispo, GrpoLoss::Sapo]),
         scale_rewards: pick(d, &[ScaleRewards::Group, ScaleRewards::Batch, ScaleRewards::None]),
         reward: capitals(),
         beta: pick(d, &[0.0, 0.04]),
@@ -62,10 +62,12 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         importance_sampling_level: pick(d, &[ImportanceLevel::Token, ImportanceLevel::Sequence]),
         delta: pick(d, &[None, Some(1.5)]),
         top_entropy_quantile: pick(d, &[1.0, 0.5]),
+        sapo_temperatures: pick(d, &[(1.0, 1.05), (2.0, 3.0)]),
     };
-    // (CISPO: epsilon_high is the ratio's cap, and no δ)
+    // (CISPO: epsilon_high is the ratio's cap, and no δ; SAPO: no δ)
     match g.loss_type {
         GrpoLoss::Cispo => GrpoConfig { epsilon_high: 1.5, delta: None, ..g },
+        GrpoLoss::Sapo => GrpoConfig { delta: None, ..g },
         _ => g,
     }
 }

@@ -78,7 +78,9 @@ impl Sampler {
 }
 
 /// The token drawn from one row of logits with the uniform number `u` in `[0, 1)` (see
-/// [`Sampling::Sample`]); ties keep the lower token id first. Errors on an empty row or
+/// [`Sampling::Sample`]): the kept tokens (top-k, then the nucleus, ranked by logit, ties the
+/// lower token id first) laid out in token-id order over `[0, 1)`, each its renormalised
+/// probability wide. Errors on an empty row or
 /// non-finite logits.
 pub fn sample_row(logits: &[f32], temperature: f64, top_k: usize, top_p: f64, u: f64) -> Result<usize> {
     if logits.is_empty() {
@@ -105,16 +107,21 @@ pub fn sample_row(logits: &[f32], temperature: f64, top_k: usize, top_p: f64, u:
             break;
         }
     }
-    let mass: f64 = probs[..n].iter().sum();
+    // the kept tokens drawn in token-id order, not by rank: two near-equal logits whose order
+    // another layout's rounding swaps then change the draw only where they move the kept set's
+    // boundary, or where `u` lies within rounding of a cumulative boundary
+    let mut kept: Vec<(usize, f64)> = order[..n].iter().copied().zip(probs[..n].iter().copied()).collect();
+    kept.sort_unstable_by_key(|&(i, _)| i);
+    let mass: f64 = kept.iter().map(|&(_, p)| p).sum();
     let target = u * mass;
     let mut acc = 0.0;
-    for (i, p) in probs[..n].iter().enumerate() {
+    for &(i, p) in &kept {
         acc += p;
         if target < acc {
-            return Ok(order[i]);
+            return Ok(i);
         }
     }
-    Ok(order[n - 1])
+    Ok(kept[kept.len() - 1].0)
 }
 
 #[cfg(test)]

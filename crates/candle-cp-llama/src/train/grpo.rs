@@ -15,6 +15,8 @@
 //!        k_i = 1 / (n · max_len)       dr_grpo  (Dr. GRPO: a constant)
 //!        k_i = M / Σ_step |o_j|        dapo     (every token of the step's M micro-batches alike)
 //! cispo: −sg(min(ρ_t, ε_high))·A_i·log π(o_i,t) · k_i   (MiniMax-M1; k_i as dapo's)
+//! sapo:  −σ(τ·(ρ_t − 1))·(4/τ)·A_i · k_i    τ = τ_pos if A_i > 0 else τ_neg   (Qwen's SAPO;
+//!        a soft gate in place of the clip, the ratio-1 gradient GRPO's; k_i as dapo's)
 //! ```
 //!
 //! As TRL's generation batch, the step's completions are all sampled before its first
@@ -116,6 +118,12 @@ pub enum GrpoLoss {
     /// ratio capped and detached, `−sg(min(ρ, ε_high))·A·log π` (`epsilon_high` an absolute
     /// cap here, ScaleRL's ε_max: TRL recommends 5); normalised as `dapo`.
     Cispo,
+    /// Qwen's SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): the hard clip
+    /// replaced by a soft gate, each token's term `−σ(τ·(ρ − 1))·(4/τ)·A`, `τ` the
+    /// [`GrpoConfig::sapo_temperatures`] of a positive or a negative advantage (its gradient
+    /// `A·ρ·4σ(1 − σ)` per `nll`: GRPO's at `ρ = 1`, fading as the ratio leaves 1, faster for
+    /// negative advantages); normalised as `dapo`.
+    Sapo,
 }
 
 impl GrpoLoss {
@@ -127,6 +135,7 @@ impl GrpoLoss {
             GrpoLoss::DrGrpo => "dr_grpo",
             GrpoLoss::Dapo => "dapo",
             GrpoLoss::Cispo => "cispo",
+            GrpoLoss::Sapo => "sapo",
         }
     }
 }
@@ -140,7 +149,8 @@ impl std::str::FromStr for GrpoLoss {
             "dr_grpo" => GrpoLoss::DrGrpo,
             "dapo" => GrpoLoss::Dapo,
             "cispo" => GrpoLoss::Cispo,
-            _ => bail!("grpo: unknown loss type {s:?} (grpo, bnpo, dr_grpo, dapo or cispo)"),
+            "sapo" => GrpoLoss::Sapo,
+            _ => bail!("grpo: unknown loss type {s:?} (grpo, bnpo, dr_grpo, dapo, cispo or sapo)"),
         })
     }
 }
@@ -236,6 +246,10 @@ pub struct GrpoConfig {
     /// counts as at it, so that rounding does not split equal entropies between layouts) left
     /// out, their KL term kept; 1: every token.
     pub top_entropy_quantile: f64,
+    /// SAPO's gate temperatures `(τ_pos, τ_neg)` for tokens of a positive and of a negative
+    /// advantage ([`GrpoLoss::Sapo`]; the paper's 1.0 and 1.05: a negative advantage's gate
+    /// closes faster). Unused by the other losses.
+    pub sapo_temperatures: (f64, f64),
 }
 
 impl GrpoConfig {
@@ -259,6 +273,7 @@ impl GrpoConfig {
             importance_sampling_level: ImportanceLevel::Token,
             delta: None,
             top_entropy_quantile: 1.0,
+            sapo_temperatures: (1.0, 1.05),
         }
     }
 }
@@ -281,6 +296,7 @@ impl std::fmt::Debug for GrpoConfig {
             .field("importance_sampling_level", &self.importance_sampling_level)
             .field("delta", &self.delta)
             .field("top_entropy_quantile", &self.top_entropy_quantile)
+            .field("sapo_temperatures", &self.sapo_temperatures)
             .finish_non_exhaustive()
     }
 }
@@ -321,8 +337,12 @@ impl GrpoConfig {
         if !(self.epsilon > 0.0 && self.epsilon < 1.0 && self.epsilon_high > 0.0 && self.epsilon_high.is_finite()) {
             bail!("grpo: the clip range needs 0 < epsilon < 1 and epsilon_high > 0, got {} and {}", self.epsilon, self.epsilon_high)
         }
-        if self.delta.is_some() && self.loss_type == GrpoLoss::Cispo {
-            bail!("grpo: delta caps the clipped objective's ratio; CISPO caps it by epsilon_high")
+        if self.delta.is_some() && matches!(self.loss_type, GrpoLoss::Cispo | GrpoLoss::Sapo) {
+            bail!("grpo: delta caps the clipped objective's ratio; {} has no clip to cap ({})", self.loss_type.name(), if self.loss_type == GrpoLoss::Cispo { "CISPO caps it by epsilon_high" } else { "SAPO's gate fades it" })
+        }
+        let (tp, tn) = self.sapo_temperatures;
+        if !(tp > 0.0 && tn > 0.0 && tp.is_finite() && tn.is_finite()) {
+            bail!("grpo: SAPO's temperatures must be > 0, got ({tp}, {tn})")
         }
         if self.delta.is_some_and(|d| !(d > 1.0 && d.is_finite())) {
             bail!("grpo: delta caps the ratio above 1 (best above 1 + epsilon_high): got {:?}", self.delta)
@@ -438,7 +458,7 @@ pub fn norms(lengths: &[usize], loss: GrpoLoss, max_len: usize, (step_tokens, mi
             GrpoLoss::Grpo => 1.0 / (len.max(1) as f64 * n),
             GrpoLoss::Bnpo => 1.0 / total.max(1) as f64,
             GrpoLoss::DrGrpo => 1.0 / (n * max_len.max(1) as f64),
-            GrpoLoss::Dapo | GrpoLoss::Cispo => micro_batches as f64 / step_tokens.max(1) as f64,
+            GrpoLoss::Dapo | GrpoLoss::Cispo | GrpoLoss::Sapo => micro_batches as f64 / step_tokens.max(1) as f64,
         })
         .collect()
 }

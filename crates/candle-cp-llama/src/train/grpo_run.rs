@@ -52,6 +52,15 @@ pub fn cispo_term(r: f64, a: f64, cap: f64, nll: f64) -> (f64, f64, bool) {
     (c * a, c * a * nll, r > cap && a > 0.0)
 }
 
+/// SAPO's term of one token with ratio `r`, advantage `a` and temperatures `(τ_pos, τ_neg)`:
+/// the derivative of `−σ(τ·(r − 1))·(4/τ)·a` with respect to `nll = −log π` (`r = e^(old −
+/// nll)`: `a·r·4σ(1 − σ)`), its value, and `false` (no clip: the gate fades the term).
+pub fn sapo_term(r: f64, a: f64, (tau_pos, tau_neg): (f64, f64)) -> (f64, f64, bool) {
+    let tau = if a > 0.0 { tau_pos } else { tau_neg };
+    let s = 1.0 / (1.0 + (-tau * (r - 1.0)).exp());
+    (a * r * 4.0 * s * (1.0 - s), -s * 4.0 / tau * a, false)
+}
+
 /// What a micro-batch's GRPO loss reports ([`Rollout::loss`]).
 pub(crate) struct GrpoTerms {
     /// The node to back-propagate (its value TRL's loss).
@@ -121,6 +130,7 @@ impl Rollout {
             None => None,
         };
         let cispo = cfg.loss_type == super::grpo::GrpoLoss::Cispo;
+        let sapo = cfg.loss_type == super::grpo::GrpoLoss::Sapo;
         // this rank's targets: (position, completion)
         let targets: Vec<(usize, usize)> = (0..n).filter(|&i| slots[i] > 0 && labels[i] != IGNORE && marks[i] == 1).map(|i| (i, slots[i] as usize - 1)).collect();
         let c = self.rewards.len();
@@ -165,7 +175,7 @@ impl Rollout {
         // (a masked completion, k_i 0: out of the loss, the KL and the token counts, as TRL's
         // completion mask)
         // (the policy term token by token: with a ratio or an entropy mask)
-        let per_token = old.is_some() || high.is_some() || cispo;
+        let per_token = old.is_some() || high.is_some() || cispo || sapo;
         for &(i, k) in targets.iter().filter(|&&(_, k)| self.norms[k] > 0.0) {
             let mut wt = match (per_token, high.as_ref().is_none_or(|h| h[i])) {
                 (false, _) => self.weight(k),
@@ -176,9 +186,10 @@ impl Rollout {
                         (Some(_), Some(r)) => r[k],
                         (Some(o), None) => (o[i] as f64 - values[i] as f64).exp(),
                     };
-                    let (g, v, clipped) = match cispo {
-                        true => cispo_term(r, self.advantages[k], cfg.epsilon_high, values[i] as f64),
-                        false => clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high), cfg.delta),
+                    let (g, v, clipped) = match (cispo, sapo) {
+                        (true, _) => cispo_term(r, self.advantages[k], cfg.epsilon_high, values[i] as f64),
+                        (_, true) => sapo_term(r, self.advantages[k], cfg.sapo_temperatures),
+                        _ => clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high), cfg.delta),
                     };
                     sums[3] += self.norms[k] * v;
                     sums[4] += clipped as u8 as f64;

@@ -34,6 +34,27 @@ fn clipped_surrogate_follows_trls_min() {
     assert_eq!(clipped_surrogate(2.0, -1.0, eps, Some(1.5)), (0.0, 1.5, false));
 }
 
+/// SAPO's gate: its value `−σ(τ(r − 1))·4/τ·a` with `τ_pos` for a positive advantage and
+/// `τ_neg` for a negative one, its derivative in `nll` the central difference of the value
+/// (`a` at the ratio 1, GRPO's), fading far from 1, never clipped.
+#[test]
+fn sapo_gate_follows_its_formula() {
+    let taus = (1.0, 1.05);
+    for (r, a) in [(1.0, 2.0), (1.0, -1.0), (1.3, 2.0), (0.7, -1.0), (2.5, 1.0), (0.2, -0.5), (1.1, 0.0)] {
+        let (g, v, c) = sapo_term(r, a, taus);
+        let tau: f64 = if a > 0.0 { taus.0 } else { taus.1 };
+        let s = 1.0 / (1.0 + (-tau * (r - 1.0)).exp());
+        assert!((v + s * 4.0 / tau * a).abs() < 1e-15 && !c, "r {r} a {a}: {v}");
+        let h = 1e-6;
+        let at = |dn: f64| sapo_term(r * (-dn).exp(), a, taus).1;
+        let fd = (at(h) - at(-h)) / (2.0 * h);
+        assert!((g - fd).abs() < 1e-6, "r {r} a {a}: derivative {g} vs {fd}");
+    }
+    assert!((sapo_term(1.0, 2.0, taus).0 - 2.0).abs() < 1e-15 && (sapo_term(1.0, -1.0, taus).0 + 1.0).abs() < 1e-15);
+    // (far from the ratio 1 the gradient fades; faster for a negative advantage at τ_neg > τ_pos)
+    assert!(sapo_term(8.0, 1.0, (1.0, 3.0)).0 < 0.1 && sapo_term(8.0, -1.0, (1.0, 3.0)).0.abs() < sapo_term(8.0, 1.0, (1.0, 3.0)).0);
+}
+
 fn grpo_cfg(level: ImportanceLevel, num_iterations: usize) -> GrpoConfig {
     GrpoConfig {
         num_generations: 4,
@@ -84,14 +105,16 @@ fn one_micro(mcfg: &LlamaConfig, cfg: &GrpoConfig, set: &PromptSet, ctx: &Parall
 /// clip range on both sides), the node's value is TRL's clipped loss and its gradient the
 /// autograd gradient of `Σ_i k_i·Σ_t −min(ρ·A_i, clip(ρ)·A_i)` — per token, and per sequence
 /// (GSPO: `ρ_i = exp(mean_t(old − nll))`, through the mean) —, or of CISPO's
-/// `−sg(min(ρ, 1.1))·A·log π`, with the KL term (β 0.05); the
+/// `−sg(min(ρ, 1.1))·A·log π`, or of SAPO's `−σ(τ(ρ − 1))·(4/τ)·A` (τ 4 / 6; per token and per
+/// sequence; at the ratio 1 GRPO's gradient), with the KL term (β 0.05); the
 /// clipped fraction is the tokens' where the clip holds; `π_old` recorded from the policy's
 /// own losses gives the ratio 1 (the loss of no ratio).
 #[test]
 fn clipped_loss_follows_autograd() -> Result<()> {
     let set = reverse_prompts(6, 1)?;
     let mcfg = LlamaConfig::tiny(128, 32, 1, 2, 1);
-    for (level, cispo) in [(ImportanceLevel::Token, false), (ImportanceLevel::Sequence, false), (ImportanceLevel::Token, true)] {
+    for (level, loss_type) in [(ImportanceLevel::Token, GrpoLoss::Bnpo), (ImportanceLevel::Sequence, GrpoLoss::Bnpo), (ImportanceLevel::Token, GrpoLoss::Cispo), (ImportanceLevel::Token, GrpoLoss::Sapo), (ImportanceLevel::Sequence, GrpoLoss::Sapo)] {
+        let (cispo, sapo) = (loss_type == GrpoLoss::Cispo, loss_type == GrpoLoss::Sapo);
         // (GSPO's clip range is narrow: a sequence's mean log-ratio moves little; CISPO's
         // epsilon_high is the ratio's cap)
         let (epsilon, epsilon_high) = match (level, cispo) {
@@ -100,9 +123,9 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             (ImportanceLevel::Sequence, _) => (0.03, 0.04),
         };
         // (per token, INTELLECT-2's cap too)
-        let delta = (level == ImportanceLevel::Token && !cispo).then_some(1.5);
-        let loss_type = if cispo { GrpoLoss::Cispo } else { GrpoLoss::Bnpo };
-        let cfg = GrpoConfig { beta: 0.05, epsilon, epsilon_high, delta, loss_type, ..grpo_cfg(level, 2) };
+        let delta = (level == ImportanceLevel::Token && loss_type == GrpoLoss::Bnpo).then_some(1.5);
+        // (SAPO: steep gates, so that they bend over the ratios' spread)
+        let cfg = GrpoConfig { beta: 0.05, epsilon, epsilon_high, delta, loss_type, sapo_temperatures: (4.0, 6.0), ..grpo_cfg(level, 2) };
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
             let dev = Device::Cpu;
@@ -115,6 +138,12 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             r.record_old(&own, &ctx, ctx.token_group())?;
             let unit = r.loss((&nll, &own), (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             assert!((unit.value - no_ratio.value).abs() < 1e-6 && unit.clipped == Some(0.0), "ratio 1: {} vs {}", unit.value, no_ratio.value);
+            // (SAPO at the ratio 1: GRPO's gradient, the value −(2/τ)·A per token)
+            if sapo {
+                let plain = GrpoConfig { loss_type: GrpoLoss::Dapo, ..cfg.clone() };
+                let (gs, gp) = (unit.node.backward()?, r.loss((&nll, &own), (Some(&old), None), &plain, (&labels, &marks), &ctx, ctx.token_group())?.node.backward()?);
+                assert!(grad_gap(&vm, &gs, &gp)? < 1e-5, "SAPO at the ratio 1 is GRPO's gradient");
+            }
             r.record_old(&old, &ctx, ctx.token_group())?;
             let t = r.loss((&nll, &own), (Some(&old), None), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
             // by autograd: per position its completion (slots), A and k
@@ -150,10 +179,17 @@ fn clipped_loss_follows_autograd() -> Result<()> {
                 Some(d) => ratio.minimum(d)?,
                 None => ratio.clone(),
             };
-            let surrogate = match cispo {
+            let surrogate = match (cispo, sapo) {
                 // (CISPO: −sg(min(ρ, cap))·A·log π)
-                true => ((ratio.minimum(cfg.epsilon_high)?.detach() * &a)? * &nll)?,
-                false => capped.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()?,
+                (true, _) => ((ratio.minimum(cfg.epsilon_high)?.detach() * &a)? * &nll)?,
+                // (SAPO: −σ(τ·(ρ − 1))·(4/τ)·A, τ by the advantage's sign)
+                (_, true) => {
+                    let (tp, tn) = cfg.sapo_temperatures;
+                    let tau = col(&|i| if on(i) && r.advantages[slots[i] as usize - 1] > 0.0 { tp as f32 } else { tn as f32 })?;
+                    let gate = ((((&ratio - 1.0)? * &tau)?.neg()?.exp()? + 1.0)?.recip()? * 4.0)?.div(&tau)?;
+                    (gate * &a)?.neg()?
+                }
+                _ => capped.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()?,
             };
             let surrogate = (surrogate * &keep)?;
             let d = (&nll - &old_t)?;
@@ -165,9 +201,10 @@ fn clipped_loss_follows_autograd() -> Result<()> {
             // the clipped fraction by hand
             let (rv, av): (Vec<f32>, Vec<f32>) = (ratio.to_vec1()?, a.to_vec1()?);
             let counted: Vec<usize> = (0..n).filter(|&i| on(i)).collect();
-            let clipped = match cispo {
-                true => counted.iter().filter(|&&i| av[i] > 0.0 && rv[i] as f64 > cfg.epsilon_high).count(),
-                false => counted.iter().filter(|&&i| (av[i] > 0.0 && rv[i] as f64 > 1.0 + cfg.epsilon_high) || (av[i] < 0.0 && (rv[i] as f64) < 1.0 - cfg.epsilon)).count(),
+            let clipped = match (cispo, sapo) {
+                (true, _) => counted.iter().filter(|&&i| av[i] > 0.0 && rv[i] as f64 > cfg.epsilon_high).count(),
+                (_, true) => 0,
+                _ => counted.iter().filter(|&&i| (av[i] > 0.0 && rv[i] as f64 > 1.0 + cfg.epsilon_high) || (av[i] < 0.0 && (rv[i] as f64) < 1.0 - cfg.epsilon)).count(),
             } as f64
                 / counted.len() as f64;
             assert!(t.clipped.is_some_and(|x| (x - clipped).abs() < 1e-12), "{level:?}: clipped {:?} vs {clipped}", t.clipped);
@@ -176,7 +213,7 @@ fn clipped_loss_follows_autograd() -> Result<()> {
         });
         let (worst, clipped) = out.into_iter().next().expect("one rank")?;
         assert!(worst < 1e-4, "{level:?}: gradients differ by {worst} relative");
-        assert!(clipped > 0.0 && clipped < 1.0, "{level:?}: the ratios spread past the clip range on some tokens only: {clipped}");
+        assert!((clipped > 0.0 || loss_type == GrpoLoss::Sapo) && clipped < 1.0, "{level:?}: the ratios spread past the clip range on some tokens only: {clipped}");
     }
     Ok(())
 }
@@ -185,7 +222,7 @@ fn clipped_loss_follows_autograd() -> Result<()> {
 /// and lengths), step 1's and 3's ratio 1 (no clip fraction), step 2's and 4's clipped ratio
 /// (a fraction reported, step 2's strictly between 0 and 1); zigzag CP 2, ring CP 2 × DP 2 and
 /// TP 2 + SP follow one device, per token, per sequence, per token on the top half of the
-/// tokens by entropy (TP: the entropies over a vocabulary split by TP), and under CISPO; a run killed after step 2 and resumed from step 1's checkpoint
+/// tokens by entropy (TP: the entropies over a vocabulary split by TP), and under CISPO and SAPO; a run killed after step 2 and resumed from step 1's checkpoint
 /// (which keeps step 1's completions and π_old) reproduces the straight run on its layout and
 /// on one device; a checkpoint without them is refused by name.
 #[test]
@@ -197,26 +234,30 @@ fn iterations_reuse_completions_on_every_layout() -> Result<()> {
         c.grpo = Some(GrpoConfig { loss_type: GrpoLoss::Grpo, scale_rewards: ScaleRewards::Group, sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 }, ..grpo_cfg(level, 2) });
         c
     };
-    let with_q = |layout: Layout, level: ImportanceLevel, q: f64, cispo: bool| -> TrainConfig {
+    let with_q = |layout: Layout, level: ImportanceLevel, q: f64, loss: GrpoLoss| -> TrainConfig {
         let mut c = with(layout, level);
         if let Some(g) = c.grpo.as_mut() {
             g.top_entropy_quantile = q;
-            if cispo {
-                (g.loss_type, g.epsilon_high) = (GrpoLoss::Cispo, 1.1);
+            match loss {
+                GrpoLoss::Cispo => (g.loss_type, g.epsilon_high) = (GrpoLoss::Cispo, 1.1),
+                GrpoLoss::Sapo => (g.loss_type, g.sapo_temperatures) = (GrpoLoss::Sapo, (4.0, 6.0)),
+                _ => {}
             }
         }
         c
     };
-    for (level, q, cispo) in [(ImportanceLevel::Token, 1.0, false), (ImportanceLevel::Sequence, 1.0, false), (ImportanceLevel::Token, 0.5, false), (ImportanceLevel::Token, 1.0, true)] {
-        let with = |layout: Layout, level: ImportanceLevel| with_q(layout, level, q, cispo);
+    for (level, q, loss) in [(ImportanceLevel::Token, 1.0, GrpoLoss::Grpo), (ImportanceLevel::Sequence, 1.0, GrpoLoss::Grpo), (ImportanceLevel::Token, 0.5, GrpoLoss::Grpo), (ImportanceLevel::Token, 1.0, GrpoLoss::Cispo), (ImportanceLevel::Token, 1.0, GrpoLoss::Sapo)] {
+        let (cispo, sapo) = (loss == GrpoLoss::Cispo, loss == GrpoLoss::Sapo);
+        let with = |layout: Layout, level: ImportanceLevel| with_q(layout, level, q, loss);
         let one = run(&with(Layout::single(), level))?;
         let m = &one[0].metrics;
         assert_eq!((m[0].grpo_reward, m[0].completion_length), (m[1].grpo_reward, m[1].completion_length), "{level:?}: step 2 trains on step 1's completions");
         assert_eq!((m[2].grpo_reward, m[2].completion_length), (m[3].grpo_reward, m[3].completion_length));
-        assert!(m[0].grpo_clip_ratio.is_none() && m[2].grpo_clip_ratio.is_none() && m[1].grpo_clip_ratio.is_some_and(|c| c > 0.0 && c < 1.0) && m[3].grpo_clip_ratio.is_some(), "{level:?}: step 2's clip holds on some tokens: {m:?}");
+        // (SAPO clips nothing: its fraction 0)
+        assert!(m[0].grpo_clip_ratio.is_none() && m[2].grpo_clip_ratio.is_none() && m[1].grpo_clip_ratio.is_some_and(|c| if sapo { c == 0.0 } else { c > 0.0 && c < 1.0 }) && m[3].grpo_clip_ratio.is_some(), "{level:?}: step 2's clip holds on some tokens: {m:?}");
         // (after an update the ratio is no longer 1: the loss of group-scaled grpo leaves 0;
         // half the tokens' terms are not 0 at the ratio 1 either)
-        assert!((q < 1.0 || cispo || m[0].train_loss.abs() < 1e-6) && m[1].train_loss.abs() > 1e-6, "{m:?}");
+        assert!((q < 1.0 || cispo || sapo || m[0].train_loss.abs() < 1e-6) && m[1].train_loss.abs() > 1e-6, "{m:?}");
         for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
             let other = run(&with(layout, level))?;
             for (a, b) in m.iter().zip(&other[0].metrics) {
