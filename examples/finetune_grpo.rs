@@ -15,7 +15,7 @@ pub(crate) struct GrpoArgs {
     /// advantages.
     #[arg(long)]
     pub(crate) grpo: bool,
-    /// Completions per prompt (TRL's num_generations; ≥ 2, divisible by --dp).
+    /// Completions per prompt (TRL's num_generations; ≥ 2; --dp must divide --grpo-prompts × this).
     #[arg(long, default_value_t = 8)]
     pub(crate) num_generations: usize,
     /// Prompts per micro-batch (their completions are packed into --batch rows of --seq-len).

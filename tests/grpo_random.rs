@@ -43,10 +43,11 @@ fn capitals() -> RewardFn {
     Arc::new(|_, c, _| Ok(c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64))
 }
 
-/// An objective (2 or 4 completions per prompt: DP 2 divides either).
+/// An objective (2, 3 or 4 completions per prompt: DP 2 must divide prompts × completions, so
+/// 3 completions of 1 prompt are refused there).
 fn draw_objective(d: &mut Rng) -> GrpoConfig {
     let g = GrpoConfig {
-        num_generations: pick(d, &[2, 4]),
+        num_generations: pick(d, &[2, 3, 4]),
         prompts: pick(d, &[1, 2]),
         max_completion_length: pick(d, &[4, 6]),
         sampling: Sampling::Sample { temperature: pick(d, &[1.0, 0.7]), top_k: pick(d, &[0, 20]), top_p: 1.0, seed: d.below(1000) as u64 },

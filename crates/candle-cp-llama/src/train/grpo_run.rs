@@ -423,8 +423,8 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
         Some(super::DataSource::Prompts(s)) => Some(s.clone()),
         Some(_) => bail!("train: a GRPO run's held-out data must be prompts too"),
     };
-    if !g.num_generations.is_multiple_of(ctx.layout.dp) {
-        bail!("train: GRPO's {} completions per prompt are generated split over DP: dp = {} must divide num_generations", g.num_generations, ctx.layout.dp)
+    if !(g.prompts * g.num_generations).is_multiple_of(ctx.layout.dp) {
+        bail!("train: GRPO's {} prompts × {} completions per micro-batch are generated split over DP: dp = {} must divide their product", g.prompts, g.num_generations, ctx.layout.dp)
     }
     if set.vocab_needed() > mcfg.vocab_size {
         bail!("train: the prompts use {} token ids, the model's vocabulary is {}", set.vocab_needed(), mcfg.vocab_size)

@@ -272,7 +272,7 @@ fn grpo_runs_match_on_every_layout() -> Result<()> {
     assert!(run(&bad).unwrap_err().to_string().contains("train by GRPO"));
     let mut bad = cfg(Layout::single().with_dp(3));
     bad.batch = 3;
-    assert!(run(&bad).unwrap_err().to_string().contains("must divide num_generations"));
+    assert!(run(&bad).unwrap_err().to_string().contains("dp = 3 must divide their product"));
     let mut bad = cfg(Layout::single());
     bad.seq_len = 16;
     assert!(run(&bad).unwrap_err().to_string().contains("may not fit"));
