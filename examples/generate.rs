@@ -21,6 +21,7 @@
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
 //! cargo run --release --example generate -- --model DIR --chat --system "Be brief." --prompt "Hi?" --stop-at-eos
 //! cargo run --release --example generate -- --model DIR --chat --messages conversation.json --prompt "And then?"
+//! cargo run --release --example generate -- --model DIR --prompts questions.txt --stop-at-eos
 //! ```
 
 use anyhow::{bail, Context};
@@ -62,6 +63,12 @@ struct Args {
     /// the tokens generated are printed as text too.
     #[arg(long)]
     prompt: Option<String>,
+    /// Generate from every non-empty line of this text file (each line a prompt; with --chat
+    /// each a user's turn, after --system) in one batch: prompts of different lengths are
+    /// padded on the left and the padding masked (`Llama::generate_ragged`); one row per line
+    /// (--batch unused; with --dp, the lines divisible by it).
+    #[arg(long, value_name = "FILE")]
+    prompts: Option<PathBuf>,
     /// Send --prompt as a user's turn through the chat template (--chat-template, else the
     /// model's own), the assistant's header after it; the template's end-of-turn token is a stop
     /// token when the tokenizer holds it as one token.
@@ -157,11 +164,16 @@ fn run(
     quant: Option<candle_cp_nn::QuantConfig>,
     cfg: &LlamaConfig,
     layout: Layout,
-    prompt: &Tensor,
+    (rows, ragged): (&[Vec<u32>], bool),
     new: usize,
     sampling: Sampling,
     stop: &[u32],
 ) -> anyhow::Result<Vec<Generation>> {
+    // rows of one length as one [B, T] prompt (any T: its tail decoded), else left-padded
+    let prompt = match ragged {
+        true => None,
+        false => Some(Tensor::from_vec(rows.concat(), (rows.len(), rows.first().map_or(0, Vec::len)), &Device::Cpu)?),
+    };
     let res = run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
         // each rank reads only its own shards (memory-mapped, one tensor at a time)
@@ -181,7 +193,10 @@ fn run(
             (Some(q), Some(lc)) => Llama::new_quantized(&candle_cp_llama::quant::QuantBase::from_varmap(&vm, lc, q)?, DType::F32, dev, lc, &ctx)?,
             (Some(_), None) => candle_core::bail!("--quantize-base runs an adapter over a quantized base: give --adapter (or a LoRA run's checkpoint as --model)"),
         };
-        m.generate_until(prompt, new, sampling, stop)
+        match &prompt {
+            Some(p) => m.generate_until(p, new, sampling, stop),
+            None => m.generate_ragged(rows, new, sampling, stop),
+        }
     });
     res.into_iter()
         .enumerate()
@@ -256,10 +271,13 @@ fn main() -> anyhow::Result<()> {
     if (a.system.is_some() || a.chat_template.is_some() || a.messages.is_some()) && !a.chat {
         bail!("--system, --chat-template and --messages go with --chat")
     }
-    if a.chat && a.prompt.is_none() && a.messages.is_none() {
-        bail!("--chat sends a conversation through a chat template: give --prompt TEXT (the user's turn) and / or --messages FILE.json")
+    if a.chat && a.prompt.is_none() && a.messages.is_none() && a.prompts.is_none() {
+        bail!("--chat sends a conversation through a chat template: give --prompt TEXT (the user's turn) and / or --messages FILE.json, or --prompts FILE")
     }
-    let from_text = a.prompt.is_some() || a.messages.is_some();
+    if a.prompts.is_some() && (a.prompt.is_some() || a.messages.is_some()) {
+        bail!("--prompts FILE gives every prompt: not with --prompt or --messages")
+    }
+    let from_text = a.prompt.is_some() || a.messages.is_some() || a.prompts.is_some();
     let tokenizer = match (from_text, &tok_path) {
         (true, Some(p)) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading tokenizer {}: {e}", p.display()))?),
         _ => None,
@@ -277,9 +295,35 @@ fn main() -> anyhow::Result<()> {
         })
     };
     let mut chat_stop = Vec::new();
-    let prompt = match from_text {
-        true => {
-            let ids = match (chat, &a.prompt) {
+    // the template's end-of-turn token (when one token) stops generation
+    let mut templated = |t: &ChatTemplate, turns: &[Message]| -> anyhow::Result<Vec<u32>> {
+        let rendered = t.render_text(turns, true)?;
+        println!("chat template {}: {rendered:?}", t.name());
+        if let [id] = encode(t.end_of_turn())?[..] {
+            if !chat_stop.contains(&id) {
+                chat_stop.push(id);
+            }
+        }
+        encode(&rendered)
+    };
+    let system: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();
+    let rows: Vec<Vec<u32>> = match (from_text, &a.prompts) {
+        (true, Some(file)) => {
+            let text = std::fs::read_to_string(file).with_context(|| format!("reading --prompts {}", file.display()))?;
+            let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+            if lines.is_empty() {
+                bail!("--prompts {}: no prompt (every line is empty)", file.display())
+            }
+            lines
+                .iter()
+                .map(|line| match &chat {
+                    Some(t) => templated(t, &system.iter().cloned().chain([Message::new("user", line)]).collect::<Vec<_>>()),
+                    None => encode(line),
+                })
+                .collect::<anyhow::Result<_>>()?
+        }
+        (true, None) => {
+            let ids = match (&chat, &a.prompt) {
                 (None, Some(text)) => encode(text)?,
                 (None, None) => bail!("--messages goes with --chat"),
                 (Some(t), _) => {
@@ -287,30 +331,21 @@ fn main() -> anyhow::Result<()> {
                         Some(f) => read_messages(f)?,
                         None => Vec::new(),
                     };
-                    let turns: Vec<Message> = a
-                        .system
-                        .iter()
-                        .map(|s| Message::new("system", s))
-                        .chain(earlier)
-                        .chain(a.prompt.iter().map(|p| Message::new("user", p)))
-                        .collect();
-                    let rendered = t.render_text(&turns, true)?;
-                    println!("chat template {}: {rendered:?}", t.name());
-                    if let [id] = encode(t.end_of_turn())?[..] {
-                        chat_stop.push(id);
-                    }
-                    encode(&rendered)?
+                    let turns: Vec<Message> = system.iter().cloned().chain(earlier).chain(a.prompt.iter().map(|p| Message::new("user", p))).collect();
+                    templated(t, &turns)?
                 }
             };
-            if ids.is_empty() || ids.iter().any(|&i| i as usize >= cfg.vocab_size) {
-                bail!("--prompt: {} tokens {:?}: needs at least one, each below the vocabulary {}", ids.len(), &ids[..ids.len().min(8)], cfg.vocab_size)
-            }
-            let t = ids.len();
-            Tensor::from_vec(ids.repeat(a.batch), (a.batch, t), &Device::Cpu)?
+            vec![ids; a.batch]
         }
-        false => random_prompt(a.batch, a.prompt_len, cfg.vocab_size, a.seed)?,
+        (false, _) => random_prompt(a.batch, a.prompt_len, cfg.vocab_size, a.seed)?.to_vec2::<u32>()?,
     };
-    let t = prompt.dim(1)?;
+    for (i, ids) in rows.iter().enumerate() {
+        if ids.is_empty() || ids.iter().any(|&x| x as usize >= cfg.vocab_size) {
+            bail!("prompt {i}: {} tokens {:?}: needs at least one, each below the vocabulary {}", ids.len(), &ids[..ids.len().min(8)], cfg.vocab_size)
+        }
+    }
+    let ragged = rows.iter().any(|r| r.len() != rows[0].len());
+    let t = rows.iter().map(Vec::len).max().unwrap_or(0);
     let as_text = |row: &[u32]| -> String {
         match &tokenizer {
             Some(tk) => tk.decode(row, false).unwrap_or_else(|e| format!("<undecodable: {e}>")),
@@ -318,7 +353,7 @@ fn main() -> anyhow::Result<()> {
         }
     };
     println!(
-        "model {} ({} {} layers, hidden {}, {} heads / {} kv, vocab {}), window {:?}{}; prompt [{}, {t}] ({}), {new} new tokens",
+        "model {} ({} {} layers, hidden {}, {} heads / {} kv, vocab {}), window {:?}{}; prompt [{}, {t}]{} ({}), {new} new tokens",
         dir.display(),
         cfg.arch().hf_names().0,
         cfg.num_hidden_layers,
@@ -328,7 +363,8 @@ fn main() -> anyhow::Result<()> {
         cfg.vocab_size,
         cfg.sliding_window,
         cfg.sliding_layers.as_ref().map_or(String::new(), |l| format!(" on {} of the layers", l.iter().filter(|&&s| s).count())),
-        a.batch,
+        rows.len(),
+        if ragged { format!(" (lengths {:?}, padded on the left in one batch)", rows.iter().map(Vec::len).collect::<Vec<_>>()) } else { String::new() },
         match (from_text, &tok_path) {
             (true, Some(p)) => format!("text through {}", p.display()),
             (true, None) => "text as bytes".to_string(),
@@ -352,9 +388,9 @@ fn main() -> anyhow::Result<()> {
     if let Some(ad) = &adapter {
         println!("adapter: {} (PEFT LoRA, over the model{})", ad.display(), quant.map(|q| format!(" quantized {q}")).unwrap_or_default());
     }
-    let single = run(&dev, &dir, adapter.as_deref(), quant, &cfg, Layout::single(), &prompt, new, sampling, &stop)
+    let single = run(&dev, &dir, adapter.as_deref(), quant, &cfg, Layout::single(), (&rows, ragged), new, sampling, &stop)
         .with_context(|| format!("weights of {}", dir.display()))?;
-    let cp = run(&dev, &dir, adapter.as_deref(), quant, &cfg, layout, &prompt, new, sampling, &stop)?;
+    let cp = run(&dev, &dir, adapter.as_deref(), quant, &cfg, layout, (&rows, ragged), new, sampling, &stop)?;
     let s = &single[0];
     for (name, gens) in [("single device", &single), (&*format!("{layout}"), &cp)] {
         let (pre, pre_tok, dec_tok) = per_token_ms(gens, t);
