@@ -1,7 +1,8 @@
 //! GRPO (Shao et al. 2024, DeepSeekMath; TRL's `GRPOTrainer`) on every layout: online
 //! reinforcement learning from a reward function. Each generation draws prompts, samples a
 //! group of `G` completions per prompt from the policy as it is (generation on the run's
-//! layout, all of a step's prompts in one batch: [`crate::Llama::generate_ragged`]), scores them, and trains on them:
+//! layout, the prompts of all the step's micro-batches in one batch:
+//! [`crate::Llama::generate_ragged`]), scores them, and trains on them:
 //!
 //! ```text
 //! prompt p ──generate──► o_1 … o_G   rewards r_1 … r_G   A_i = (r_i − mean(r)) / (std(r) + 1e-4)
@@ -498,39 +499,48 @@ pub(crate) struct Rollout {
     pub(super) old: Option<Vec<f32>>,
 }
 
-/// The completions of micro-batch `micro` of `step`: `cfg.prompts` prompts of `set` drawn
-/// from (seed, step, micro), `G` completions each sampled by `model` as it is (all prompts'
-/// in one batch, [`Llama::generate_ragged`], one generator seeded from the same), rewarded,
-/// and packed in order into `batch` rows of `seq_len`. Collective over the world (generation). Errors when they do not fit.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u64, (step, micro): (usize, usize), (batch, seq_len): (usize, usize)) -> Result<Rollout> {
+/// The completions of `step`'s `micro_batches` micro-batches: for each, `cfg.prompts` prompts
+/// of `set` drawn from (seed, step, micro) and `G` completions of each sampled by `model` as it
+/// is — every micro-batch's prompts in one batch ([`Llama::generate_ragged`], TRL's generation
+/// batch; one generator seeded from (seed, step)) —, rewarded, and packed in order into `batch`
+/// rows of `seq_len` per micro-batch. Collective over the world (generation). Errors when they
+/// do not fit.
+pub(crate) fn rollouts(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u64, (step, micro_batches): (usize, usize), (batch, seq_len): (usize, usize)) -> Result<Vec<Rollout>> {
     model.set_lora_dropout(None)?;
-    let mut pick = Rng::derive(seed, &[step as u64, micro as u64, 0x6772_706f]);
     let g = cfg.num_generations;
-    let (mut docs, mut rewards) = (Vec::new(), Vec::new());
-    let chosen = (0..cfg.prompts).map(|_| pick.below(set.len())).collect::<Vec<_>>();
-    let mut rows = Vec::with_capacity(cfg.prompts * g);
-    for &i in &chosen {
-        let (prompt, _) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no prompt {i}")))?;
-        rows.extend(std::iter::repeat_n(prompt.to_vec(), g));
+    let chosen: Vec<Vec<usize>> = (0..micro_batches)
+        .map(|micro| {
+            let mut pick = Rng::derive(seed, &[step as u64, micro as u64, 0x6772_706f]);
+            (0..cfg.prompts).map(|_| pick.below(set.len())).collect()
+        })
+        .collect();
+    let prompt = |i: usize| set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no prompt {i}")));
+    let mut rows = Vec::with_capacity(micro_batches * cfg.prompts * g);
+    for &i in chosen.iter().flatten() {
+        rows.extend(std::iter::repeat_n(prompt(i)?.0.to_vec(), g));
     }
     let sampling = match cfg.sampling {
-        Sampling::Sample { temperature, top_k, top_p, seed: s } => Sampling::Sample { temperature, top_k, top_p, seed: Rng::derive(s ^ seed, &[step as u64, micro as u64]).next_u64() },
+        Sampling::Sample { temperature, top_k, top_p, seed: s } => Sampling::Sample { temperature, top_k, top_p, seed: Rng::derive(s ^ seed, &[step as u64]).next_u64() },
         Sampling::Greedy => Sampling::Greedy,
     };
     // every prompt's completions in one batch (prompts of different lengths padded on the left)
-    let out = model.generate_ragged(&rows, cfg.max_completion_length, sampling, &cfg.stop)?;
-    for (k, completion) in out.tokens.into_iter().enumerate() {
-        let i = chosen[k / g];
-        let (prompt, answer) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no prompt {i}")))?;
-        let r = (cfg.reward)(prompt, &completion, answer).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward of completion {} of prompt {i} (step {}, micro-batch {micro}): {e}", k % g, step + 1)))?;
-        if !r.is_finite() {
-            bail!("grpo: the reward function gave {r} for completion {} of prompt {i} (step {}, micro-batch {micro}): rewards must be finite", k % g, step + 1)
+    let mut out = model.generate_ragged(&rows, cfg.max_completion_length, sampling, &cfg.stop)?.tokens.into_iter();
+    let mut rollouts = Vec::with_capacity(micro_batches);
+    for (micro, picked) in chosen.iter().enumerate() {
+        let (mut docs, mut rewards) = (Vec::new(), Vec::new());
+        for (k, &i) in picked.iter().flat_map(|i| std::iter::repeat_n(i, g)).enumerate() {
+            let Some(completion) = out.next() else { bail!("grpo: generation gave fewer rows than the {} asked", rows.len()) };
+            let (prompt, answer) = prompt(i)?;
+            let r = (cfg.reward)(prompt, &completion, answer).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward of completion {} of prompt {i} (step {}, micro-batch {micro}): {e}", k % g, step + 1)))?;
+            if !r.is_finite() {
+                bail!("grpo: the reward function gave {r} for completion {} of prompt {i} (step {}, micro-batch {micro}): rewards must be finite", k % g, step + 1)
+            }
+            rewards.push(r);
+            docs.push((prompt.to_vec(), completion));
         }
-        rewards.push(r);
-        docs.push((prompt.to_vec(), completion));
+        rollouts.push(Rollout::packed(docs, rewards, cfg, (batch, seq_len))?);
     }
-    Rollout::packed(docs, rewards, cfg, (batch, seq_len))
+    Ok(rollouts)
 }
 
 impl Rollout {

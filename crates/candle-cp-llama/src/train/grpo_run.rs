@@ -283,7 +283,7 @@ impl GrpoRun {
     /// Samples, rewards and weighs step `step`'s completions (`cfg.grad_accum` micro-batches)
     /// by `model` as it is and keeps them. Collective over the world.
     pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, ctx: &ParallelCtx) -> Result<()> {
-        let mut r = (0..cfg.grad_accum).map(|micro| super::grpo::rollout(model, &self.cfg, &self.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len))).collect::<Result<Vec<_>>>()?;
+        let mut r = super::grpo::rollouts(model, &self.cfg, &self.set, cfg.seed, (step, cfg.grad_accum), (cfg.batch, cfg.seq_len))?;
         // (every rank must weigh the same rewards: a reward function that is not a function of
         // its completion would part them silently)
         let all: Vec<f64> = r.iter().flat_map(|x| x.rewards.iter().copied()).collect();

@@ -134,7 +134,7 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let rvm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
         let reference = Llama::new(VarBuilder::from_varmap(&rvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
         let beta = 0.1;
-        let mut step = [rollout(&m, &cfg, &set, 3, (0, 0), (2, 48))?];
+        let mut step = [rollouts(&m, &cfg, &set, 3, (0, 1), (2, 48))?.remove(0)];
         weigh_step(&mut step, &cfg)?;
         let [r] = step;
         assert_eq!((r.rows.len(), r.rewards.len()), (2, 8));
@@ -144,7 +144,7 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let chosen: Vec<(&[u32], &[u32])> = (0..2).map(|_| set.get(pick.below(set.len())).expect("prompt")).collect();
         assert_ne!(chosen[0].0.len(), chosen[1].0.len(), "the test wants prompts of different lengths");
         let Sampling::Sample { temperature, top_k, top_p, seed } = cfg.sampling else { bail!("sampled") };
-        let s = Sampling::Sample { temperature, top_k, top_p, seed: Rng::derive(seed ^ 3, &[0, 0]).next_u64() };
+        let s = Sampling::Sample { temperature, top_k, top_p, seed: Rng::derive(seed ^ 3, &[0]).next_u64() };
         let rows: Vec<Vec<u32>> = chosen.iter().flat_map(|(p, _)| std::iter::repeat_n(p.to_vec(), 4)).collect();
         let mut docs = Vec::new();
         for (k, c) in m.generate_ragged(&rows, 6, s, &[2])?.tokens.into_iter().enumerate() {
