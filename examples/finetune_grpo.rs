@@ -58,6 +58,12 @@ pub(crate) struct GrpoArgs {
     /// step train it and the next steps, the ratio π/π_old clipped to [1 − ε, 1 + ε_high].
     #[arg(long, default_value_t = 1)]
     pub(crate) num_iterations: usize,
+    /// Optimizer steps one generation feeds with distinct completions (TRL's
+    /// steps_per_generation): the sampling step draws S steps' micro-batches in one batch,
+    /// the later steps' slices trained off-policy under the clipped ratio (their π_old from a
+    /// forward when sampled).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) steps_per_generation: usize,
     /// The clip range's lower side ε (TRL's epsilon).
     #[arg(long, default_value_t = 0.2)]
     pub(crate) epsilon: f64,
@@ -149,6 +155,7 @@ impl GrpoArgs {
             beta: self.grpo_beta,
             mask_truncated_completions: self.mask_truncated_completions,
             num_iterations: self.num_iterations,
+            steps_per_generation: self.steps_per_generation,
             epsilon: self.epsilon,
             epsilon_high: self.epsilon_high.unwrap_or(self.epsilon),
             importance_sampling_level: self.importance_sampling_level.parse::<ImportanceLevel>()?,

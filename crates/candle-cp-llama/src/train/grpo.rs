@@ -251,6 +251,13 @@ pub struct GrpoConfig {
     /// advantage ([`GrpoLoss::Sapo`]; the paper's 1.0 and 1.05: a negative advantage's gate
     /// closes faster). Unused by the other losses.
     pub sapo_temperatures: (f64, f64),
+    /// Optimizer steps one generation feeds with distinct completions (TRL's
+    /// `steps_per_generation`): the step that samples draws `S` steps' micro-batches in one
+    /// generation batch; step `k` of the cycle trains on slice `k mod S` (each slice weighed
+    /// as a step of its own), `S · num_iterations` steps per generation. The slices trained
+    /// after the sampling step are off-policy: their `π_old` comes from a forward of the
+    /// sampling policy over their rows before the first update. 1: every step its own.
+    pub steps_per_generation: usize,
 }
 
 impl GrpoConfig {
@@ -275,6 +282,7 @@ impl GrpoConfig {
             delta: None,
             top_entropy_quantile: 1.0,
             sapo_temperatures: (1.0, 1.05),
+            steps_per_generation: 1,
         }
     }
 }
@@ -298,11 +306,17 @@ impl std::fmt::Debug for GrpoConfig {
             .field("delta", &self.delta)
             .field("top_entropy_quantile", &self.top_entropy_quantile)
             .field("sapo_temperatures", &self.sapo_temperatures)
+            .field("steps_per_generation", &self.steps_per_generation)
             .finish_non_exhaustive()
     }
 }
 
 impl GrpoConfig {
+    /// Steps per generation cycle: `steps_per_generation · num_iterations`.
+    pub fn cycle(&self) -> usize {
+        self.steps_per_generation * self.num_iterations
+    }
+
     /// Errors unless every micro-batch's completions surely fit in `batch` rows of `seq_len`
     /// whatever is sampled: packed in order, a row holds at least `⌊seq_len / L⌋` documents of
     /// at most `L` tokens (the longest prompt of `set` and a whole completion).
@@ -332,8 +346,8 @@ impl GrpoConfig {
         if !(self.beta >= 0.0 && self.beta.is_finite()) {
             bail!("grpo: beta must be ≥ 0, got {}", self.beta)
         }
-        if self.num_iterations == 0 {
-            bail!("grpo: num_iterations must be ≥ 1, got 0")
+        if self.num_iterations == 0 || self.steps_per_generation == 0 {
+            bail!("grpo: num_iterations and steps_per_generation must be ≥ 1, got {} and {}", self.num_iterations, self.steps_per_generation)
         }
         if !(self.epsilon > 0.0 && self.epsilon < 1.0 && self.epsilon_high > 0.0 && self.epsilon_high.is_finite()) {
             bail!("grpo: the clip range needs 0 < epsilon < 1 and epsilon_high > 0, got {} and {}", self.epsilon, self.epsilon_high)

@@ -1,6 +1,7 @@
 //! A GRPO run beside the trainer ([`super::grpo`] has the objective): the completions it trains
-//! on until the next generation (`num_iterations` steps), `π_old`'s per-token losses, the
-//! clipped loss of a micro-batch, and the completions' place in checkpoints.
+//! on until the next generation (`steps_per_generation · num_iterations` steps: one slice of
+//! micro-batches per step of `steps_per_generation`), `π_old`'s per-token losses, the clipped
+//! loss of a micro-batch, and the completions' place in checkpoints.
 //!
 //! ```text
 //! step      s            s+1          …   s+μ−1        s+μ
@@ -224,6 +225,18 @@ impl Rollout {
     }
 }
 
+/// This rank's per-token losses of `r`'s rows under `model` as it is (the trainer's sharding
+/// and forward, without dropout or a backward): `π_old` of a slice trained after the sampling
+/// step. Collective over the world.
+fn old_losses(model: &Llama, r: &Rollout, (ctx, dev): (&ParallelCtx, &Device)) -> Result<Vec<f32>> {
+    let (b, t) = r.slots.dims2()?;
+    let ids: Vec<u32> = r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+    let docs = r.rows.iter().map(|s| s.documents.clone()).collect::<Option<Vec<_>>>().ok_or_else(|| candle_core::Error::Msg("grpo: a rollout row without documents".into()))?;
+    let sb = crate::shard_batch_packed(&Tensor::from_vec(ids, (b, t), &Device::Cpu)?, &docs, ctx)?;
+    let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?;
+    nll.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()
+}
+
 /// The completions a run trains on until its next generation.
 pub(crate) struct Kept {
     /// The step that sampled them.
@@ -265,25 +278,28 @@ pub(crate) struct GrpoRun {
 }
 
 impl GrpoRun {
-    /// Whether step `step` samples completions (a multiple of `num_iterations`); errors when
-    /// it trains on an earlier generation's that the run does not hold (a resumed checkpoint
-    /// without them).
+    /// Whether step `step` samples completions (a multiple of `steps_per_generation ·
+    /// num_iterations`); errors when it trains on an earlier generation's that the run does not
+    /// hold (a resumed checkpoint without them).
     pub(crate) fn samples_at(&self, step: usize) -> Result<bool> {
-        let from = step - step % self.cfg.num_iterations;
+        let from = step - step % self.cfg.cycle();
         match (&self.kept, from == step) {
             (_, true) => Ok(true),
             (Some(k), false) if k.at == from => Ok(false),
-            (k, false) => bail!("grpo: step {} trains on the completions sampled at step {} (num_iterations {}), but the run holds {}: resume from a checkpoint written with them, or with num_iterations dividing its step", step + 1, from + 1, self.cfg.num_iterations, match k {
+            (k, false) => bail!("grpo: step {} trains on the completions sampled at step {} (steps_per_generation {} × num_iterations {}), but the run holds {}: resume from a checkpoint written with them, or with the cycle dividing its step", step + 1, from + 1, self.cfg.steps_per_generation, self.cfg.num_iterations, match k {
                 Some(k) => format!("step {}'s", k.at + 1),
                 None => "none".into(),
             }),
         }
     }
 
-    /// Samples, rewards and weighs step `step`'s completions (`cfg.grad_accum` micro-batches)
-    /// by `model` as it is and keeps them. Collective over the world.
-    pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, ctx: &ParallelCtx) -> Result<()> {
-        let mut r = super::grpo::rollouts(model, &self.cfg, &self.set, cfg.seed, (step, cfg.grad_accum), (cfg.batch, cfg.seq_len))?;
+    /// Samples, rewards and weighs the completions of the `steps_per_generation` steps from
+    /// `step` on (`cfg.grad_accum` micro-batches each, each step's slice weighed as a step) by
+    /// `model` as it is and keeps them; the slices trained after this step get `π_old` from a
+    /// forward of `model` over their rows now (on `dev`). Collective over the world.
+    pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, (ctx, dev): (&ParallelCtx, &Device)) -> Result<()> {
+        let s = self.cfg.steps_per_generation;
+        let mut r = super::grpo::rollouts(model, &self.cfg, &self.set, cfg.seed, (step, s * cfg.grad_accum), (cfg.batch, cfg.seq_len))?;
         // (every rank must weigh the same rewards: a reward function that is not a function of
         // its completion would part them silently)
         let all: Vec<f64> = r.iter().flat_map(|x| x.rewards.iter().copied()).collect();
@@ -295,24 +311,43 @@ impl GrpoRun {
                 }
             }
         }
-        super::grpo::weigh_step(&mut r, &self.cfg)?;
+        for slice in r.chunks_mut(cfg.grad_accum) {
+            super::grpo::weigh_step(slice, &self.cfg)?;
+        }
+        // (the later slices' π_old: the sampling policy's losses of their rows, now)
+        for later in r.iter_mut().skip(cfg.grad_accum) {
+            let values = old_losses(model, later, (ctx, dev))?;
+            later.record_old(&values, ctx, ctx.token_group())?;
+        }
         self.kept = Some(Kept { at: step, rollouts: r });
         Ok(())
     }
 
-    /// Micro-batch `micro`'s rollout of the kept generation.
-    pub(crate) fn rollout(&self, micro: usize) -> Result<&Rollout> {
-        self.kept.as_ref().and_then(|k| k.rollouts.get(micro)).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no rollout for micro-batch {micro}")))
+    /// The kept rollouts' index of micro-batch `micro` of step `step` (slice `(step − at) mod
+    /// steps_per_generation`).
+    fn index(&self, step: usize, micro: usize, grad_accum: usize) -> Option<usize> {
+        let k = self.kept.as_ref()?;
+        let slice = step.checked_sub(k.at)? % self.cfg.steps_per_generation;
+        Some(slice * grad_accum + micro)
     }
 
-    /// Keeps micro-batch `micro`'s `π_old` (this rank's per-token losses `values` of its
-    /// forward) when later steps train on it (`num_iterations` > 1) and it has none yet.
-    /// Collective over `group`.
-    pub(crate) fn record_old(&mut self, micro: usize, values: &[f32], ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<()> {
+    /// Micro-batch `micro`'s rollout for step `step` (of `grad_accum` micro-batches) in the
+    /// kept generation.
+    pub(crate) fn rollout(&self, step: usize, (micro, grad_accum): (usize, usize)) -> Result<&Rollout> {
+        self.index(step, micro, grad_accum)
+            .and_then(|i| self.kept.as_ref()?.rollouts.get(i))
+            .ok_or_else(|| candle_core::Error::Msg(format!("grpo: no rollout for step {} micro-batch {micro}", step + 1)))
+    }
+
+    /// Keeps the `π_old` of step `step`'s micro-batch `micro` (this rank's per-token losses
+    /// `values` of its forward) when later steps train on it (a cycle of more than one step)
+    /// and it has none yet. Collective over `group`.
+    pub(crate) fn record_old(&mut self, step: usize, (micro, grad_accum): (usize, usize), values: &[f32], ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<()> {
         if self.cfg.num_iterations < 2 {
             return Ok(());
         }
-        match self.kept.as_mut().and_then(|k| k.rollouts.get_mut(micro)) {
+        let Some(i) = self.index(step, micro, grad_accum) else { return Ok(()) };
+        match self.kept.as_mut().and_then(|k| k.rollouts.get_mut(i)) {
             Some(r) if r.old.is_none() => r.record_old(values, ctx, group),
             _ => Ok(()),
         }
@@ -321,7 +356,7 @@ impl GrpoRun {
     /// Writes the kept completions into checkpoint `dir` (by `write`: the main rank) when the
     /// step after `done` steps still trains on them.
     pub(crate) fn save(&self, dir: &Path, done: usize, write: bool) -> Result<()> {
-        let Some(k) = self.kept.as_ref().filter(|_| write && !done.is_multiple_of(self.cfg.num_iterations)) else { return Ok(()) };
+        let Some(k) = self.kept.as_ref().filter(|_| write && !done.is_multiple_of(self.cfg.cycle())) else { return Ok(()) };
         let saved = SavedRollouts {
             generated_at: k.at,
             micro_batches: k
@@ -350,8 +385,8 @@ impl GrpoRun {
         let e = |x: String| candle_core::Error::Msg(format!("grpo: reading {}: {x}", p.display()));
         let text = std::fs::read_to_string(&p).map_err(|x| e(x.to_string()))?;
         let saved: SavedRollouts = serde_json::from_str(&text).map_err(|x| e(x.to_string()))?;
-        if saved.micro_batches.len() != cfg.grad_accum {
-            return Err(e(format!("{} micro-batches kept, the run takes {} per step", saved.micro_batches.len(), cfg.grad_accum)));
+        if saved.micro_batches.len() != g.steps_per_generation * cfg.grad_accum {
+            return Err(e(format!("{} micro-batches kept, the run takes {} per step and {} steps per generation", saved.micro_batches.len(), cfg.grad_accum, g.steps_per_generation)));
         }
         let mut rollouts = Vec::new();
         for m in saved.micro_batches {
@@ -362,7 +397,9 @@ impl GrpoRun {
             r.old = m.old.map(|o| o.into_iter().map(f32::from_bits).collect());
             rollouts.push(r);
         }
-        super::grpo::weigh_step(&mut rollouts, g)?;
+        for slice in rollouts.chunks_mut(cfg.grad_accum) {
+            super::grpo::weigh_step(slice, g)?;
+        }
         Ok(Some(Kept { at: saved.generated_at, rollouts }))
     }
 

@@ -313,7 +313,66 @@ fn iterations_reuse_completions_on_every_layout() -> Result<()> {
     bad.grpo = Some(GrpoConfig { epsilon: 1.0, ..grpo_cfg(ImportanceLevel::Token, 2) });
     assert!(run(&bad).unwrap_err().to_string().contains("clip range"));
     bad.grpo = Some(GrpoConfig { num_iterations: 0, ..grpo_cfg(ImportanceLevel::Token, 2) });
-    assert!(run(&bad).unwrap_err().to_string().contains("num_iterations"));
+    assert!(run(&bad).unwrap_err().to_string().contains("num_iterations and steps_per_generation must be ≥ 1"));
+    Ok(())
+}
+
+/// `steps_per_generation` 2: the completions sampled at steps 1 and 3 feed steps 1–2 and 3–4
+/// (slices of one generation batch); steps 2 and 4 train on off-policy slices whose `π_old` is
+/// the sampling policy's forward at steps 1 and 3: with a learning rate of 0 their every ratio
+/// is 1 (nothing clipped, group-scaled grpo's loss 0), with one the ratio moves; with
+/// num_iterations 2 too (a cycle of 4 steps, steps 2–4 with ratios); zigzag CP 2, ring CP 2 ×
+/// DP 2 and TP 2 + SP follow one device; a run killed inside the cycle and resumed from step
+/// 1's checkpoint (its four micro-batches and their `π_old` kept) follows the straight run; 0
+/// refused.
+#[test]
+fn steps_per_generation_slices_one_generation() -> Result<()> {
+    let set = reverse_prompts(8, 2)?;
+    let with = |layout: Layout, (spg, iters): (usize, usize), peak: f64| -> TrainConfig {
+        let mut c = tiny_run(layout, DataSource::Prompts(set.clone()), 4, (2, 2));
+        c.schedule.peak = peak;
+        c.grpo = Some(GrpoConfig { loss_type: GrpoLoss::Grpo, scale_rewards: ScaleRewards::Group, sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 }, steps_per_generation: spg, ..grpo_cfg(ImportanceLevel::Token, iters) });
+        c
+    };
+    let frozen = run(&with(Layout::single(), (2, 1), 0.0))?;
+    let m = &frozen[0].metrics;
+    assert!(m[0].grpo_clip_ratio.is_none() && m[2].grpo_clip_ratio.is_none() && m[1].grpo_clip_ratio == Some(0.0) && m[3].grpo_clip_ratio == Some(0.0), "lr 0: the later slices' ratio 1: {m:?}");
+    assert!(m.iter().all(|x| x.train_loss.abs() < 1e-6), "lr 0: group-scaled grpo at the ratio 1: {m:?}");
+    for (spg, iters) in [(2, 1), (2, 2)] {
+        let one = run(&with(Layout::single(), (spg, iters), 4e-3))?;
+        let m = &one[0].metrics;
+        let with_ratio: Vec<bool> = m.iter().map(|x| x.grpo_clip_ratio.is_some()).collect();
+        assert_eq!(with_ratio, if iters == 1 { vec![false, true, false, true] } else { vec![false, true, true, true] }, "{m:?}");
+        assert!(m[1].train_loss.abs() > 1e-6 && m[1].grpo_clip_ratio.is_some_and(|c| c < 1.0), "step 2 off-policy: {m:?}");
+        for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+            let other = run(&with(layout, (spg, iters), 4e-3))?;
+            for (a, b) in m.iter().zip(&other[0].metrics) {
+                assert_eq!((a.grpo_reward, a.completion_length), (b.grpo_reward, b.completion_length), "{layout} S {spg} μ {iters} step {}: the same completions", a.step);
+                assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "{layout} S {spg} μ {iters} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
+                assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} S {spg} μ {iters} step {}: loss {} vs {}", a.step, b.train_loss, a.train_loss);
+            }
+        }
+    }
+    // killed inside the cycle, resumed from step 1's checkpoint
+    let dir = |tag: &str| std::env::temp_dir().join(format!("cp-grpo-spg-{tag}-{}", std::process::id()));
+    let (da, db) = (dir("a"), dir("b"));
+    let mut ca = with(Layout::cp(CpKind::Zigzag, 2), (2, 1), 4e-3);
+    (ca.out, ca.save_every) = (Some(da.clone()), 1);
+    let a = run(&ca)?;
+    let mut cb = ca.clone();
+    (cb.out, cb.save_every, cb.stop_after) = (Some(db.clone()), 1, Some(2));
+    run(&cb)?;
+    (cb.stop_after, cb.resume) = (None, true);
+    let b = run(&cb)?;
+    assert_eq!(b[0].start_step, 1);
+    for (x, y) in a[0].metrics[1..].iter().zip(&b[0].metrics) {
+        assert!(x.step == y.step && (x.train_loss - y.train_loss).abs() < 1e-9 && x.grpo_reward == y.grpo_reward && x.grpo_clip_ratio == y.grpo_clip_ratio, "step {}: straight {x:?} vs resumed {y:?}", x.step);
+    }
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(&db)?;
+    let mut bad = with(Layout::single(), (0, 1), 4e-3);
+    bad.steps = 1;
+    assert!(run(&bad).unwrap_err().to_string().contains("steps_per_generation must be ≥ 1"));
     Ok(())
 }
 

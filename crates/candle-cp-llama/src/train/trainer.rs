@@ -443,15 +443,15 @@ pub fn train_rank(
         let mut counts: Vec<Vec<usize>> = Vec::new();
         // GRPO: the step's completions sampled from the policy as it is (its parameters whole
         // first), rewarded, packed and weighed, before its first micro-batch trains — every
-        // num_iterations steps; the steps between train on the kept ones
+        // steps_per_generation · num_iterations steps; the steps between train on the kept ones
         if let Some(g) = grpo.as_mut() {
             if g.samples_at(step)? {
                 param_gather.finish()?;
-                g.sample(&model, cfg, step, &ctx)?;
+                g.sample(&model, cfg, step, (&ctx, &dev))?;
             }
         }
         for micro in 0..cfg.grad_accum {
-            let rollout = grpo.as_ref().map(|g| g.rollout(micro)).transpose()?;
+            let rollout = grpo.as_ref().map(|g| g.rollout(step, (micro, cfg.grad_accum))).transpose()?;
             let (ids, mask, docs) = match rollout {
                 Some(r) => {
                     grpo_sums[0] += r.rewards.iter().sum::<f64>();
@@ -516,7 +516,7 @@ pub fn train_rank(
                     // (the KL term: the reference's per-token losses of the same rows)
                     let ref_nll = g.reference_nll(&sb, &dev)?;
                     let entropy: Option<Vec<f32>> = sq.as_ref().map(|e| e.flatten_all()?.to_device(&host)?.to_vec1()).transpose()?;
-                    let t = g.rollout(micro)?.loss((&nll, &values), (ref_nll.as_deref(), entropy.as_deref()), &g.cfg, (&labels, &lr_mask), &ctx, &token_group)?;
+                    let t = g.rollout(step, (micro, cfg.grad_accum))?.loss((&nll, &values), (ref_nll.as_deref(), entropy.as_deref()), &g.cfg, (&labels, &lr_mask), &ctx, &token_group)?;
                     grpo_kl += t.kl;
                     if let Some(c) = t.clipped {
                         *grpo_clip.get_or_insert(0.0) += c;
@@ -562,7 +562,7 @@ pub fn train_rank(
             // (GRPO with num_iterations > 1: this forward's losses are π_old's for the
             // generation's later steps)
             if let (Some(g), true) = (grpo.as_mut(), dpo.is_none()) {
-                g.record_old(micro, &values, &ctx, &token_group)?;
+                g.record_old(step, (micro, cfg.grad_accum), &values, &ctx, &token_group)?;
             }
             for (acc, x) in terms
                 .iter_mut()
