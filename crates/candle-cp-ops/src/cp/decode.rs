@@ -227,7 +227,7 @@ pub fn decode_owner(pos: usize, p: usize) -> usize {
 /// the shard's rows visible from each query (position `<= qp`, and `> qp - window`, and for
 /// batch row `b` not before its start, [`KvShard::set_row_starts`]).
 fn local_partial(q: &Tensor, q_positions: &[usize], shard: &KvShard, scale: Scores, window: Option<usize>) -> Result<(Tensor, Tensor)> {
-    let Some((k, v)) = shard.kv() else { return Ok(no_keys(q)?) };
+    let Some((k, v)) = shard.kv() else { return no_keys(q) };
     let starts = shard.row_starts();
     let padded = starts.iter().any(|&s| shard.positions().iter().any(|&kp| kp < s));
     if !padded {
