@@ -22,6 +22,7 @@
 //! chatml    <|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n[{a}<|im_end|>]\n
 //! qwen3     <|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n[<think>\n{r}\n</think>\n\n{a}<|im_end|>]\n
 //! qwen3-thinking  ..<|im_start|>assistant\n<think>\n[{r}\n</think>\n\n{a}<|im_end|>]\n
+//! qwen3-no-think  ..<|im_start|>assistant\n<think>\n\n</think>\n\n[{a}<|im_end|>]\n
 //! gemma     <bos><start_of_turn>user\n{u}<end_of_turn>\n<start_of_turn>model\n[{a}<end_of_turn>]\n
 //! phi3      <|user|>\n{u}<|end|>\n<|assistant|>\n[{a}<|end|>]\n<|endoftext|>
 //! phi4      <|user|>{u}<|end|><|assistant|>[{a}<|end|>]<|endoftext|>
@@ -92,6 +93,11 @@ pub enum ChatTemplate {
     /// Qwen3-Thinking-2507's: [`ChatTemplate::Qwen3`] with the generation prompt ending in
     /// `<think>\n` (the model always reasons), so each answer's `<think>\n` is prompt.
     Qwen3Thinking,
+    /// Qwen3's hybrid template with thinking off (`enable_thinking=False`): the generation
+    /// prompt ends in an empty think block, `<think>\n\n</think>\n\n`, so each answer's block
+    /// is prompt and only what follows it a target (its reasoning, if any, written in the block
+    /// as [`ChatTemplate::Qwen3`] does). By name only: the Jinja source is the hybrid's.
+    Qwen3NoThink,
     /// Gemma 2 / 3 (the assistant is `model`; a system turn's text and a blank line are put
     /// before the first user turn's text, as Gemma 3's template does).
     Gemma,
@@ -151,11 +157,12 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 18] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 19] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("qwen3", ChatTemplate::Qwen3),
     ("qwen3-thinking", ChatTemplate::Qwen3Thinking),
+    ("qwen3-no-think", ChatTemplate::Qwen3NoThink),
     ("gemma", ChatTemplate::Gemma),
     ("phi3", ChatTemplate::Phi3),
     ("phi4", ChatTemplate::Phi4),
@@ -243,7 +250,7 @@ impl ChatTemplate {
     pub fn end_of_turn(self) -> &'static str {
         match self {
             Self::Llama3 => "<|eot_id|>",
-            Self::ChatMl | Self::Qwen3 | Self::Qwen3Thinking => "<|im_end|>",
+            Self::ChatMl | Self::Qwen3 | Self::Qwen3Thinking | Self::Qwen3NoThink => "<|im_end|>",
             Self::Gemma => "<end_of_turn>",
             Self::Phi3 | Self::Phi4 => "<|end|>",
             Self::Granite => "<|end_of_text|>",
@@ -314,7 +321,7 @@ impl ChatTemplate {
                     push("<|endoftext|>".into(), false);
                 }
             }
-            Self::Qwen3 | Self::Qwen3Thinking => crate::chat_reasoning::render_qwen3(self == Self::Qwen3Thinking, messages, train, generation_prompt, &mut push),
+            Self::Qwen3 | Self::Qwen3Thinking | Self::Qwen3NoThink => crate::chat_reasoning::render_qwen3(self, messages, train, generation_prompt, &mut push),
             Self::Gemma => {
                 push("<bos>".into(), false);
                 let (system, rest) = match messages.split_first() {

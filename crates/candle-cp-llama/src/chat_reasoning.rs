@@ -1,10 +1,11 @@
 //! Chat templates that write an assistant turn's reasoning: Qwen3's ([`ChatTemplate::Qwen3`],
-//! [`ChatTemplate::Qwen3Thinking`]).
+//! [`ChatTemplate::Qwen3Thinking`], [`ChatTemplate::Qwen3NoThink`]).
 //!
 //! ```text
 //! <|im_start|>user\n{u}<|im_end|>\n
 //! <|im_start|>assistant\n[<think>\n{reasoning}\n</think>\n\n{answer}<|im_end|>]\n     qwen3
 //! <|im_start|>assistant\n<think>\n[{reasoning}\n</think>\n\n{answer}<|im_end|>]\n     qwen3-thinking
+//! <|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n[{answer}<|im_end|>]\n     qwen3-no-think
 //! ```
 //!
 //! A turn's reasoning is its `reasoning_content` ([`Message::reasoning`]), else the text of a
@@ -32,11 +33,12 @@ pub fn split_reasoning(m: &Message) -> (String, String) {
     (reasoning.trim_matches('\n').to_string(), answer.trim_start_matches('\n').to_string())
 }
 
-/// `messages` as Qwen3's template writes them into `push` (text, whether a target): each
-/// assistant turn `i` with `train(i)` a target from its think block (`thinking`: from after
-/// `<think>\n`, Thinking-2507's) to its `<|im_end|>`; with `generation_prompt` the next
-/// assistant turn's header (and `<think>\n` with `thinking`).
-pub(crate) fn render_qwen3(thinking: bool, messages: &[Message], train: &dyn Fn(usize) -> bool, generation_prompt: bool, push: &mut dyn FnMut(String, bool)) {
+/// `messages` as Qwen3's template `t` writes them into `push` (text, whether a target): each
+/// assistant turn `i` with `train(i)` a target from its think block to its `<|im_end|>` (from
+/// after `<think>\n` for Thinking-2507's, from after the block with thinking off); with
+/// `generation_prompt` the next assistant turn's header (and `<think>\n` for Thinking-2507's,
+/// the empty block with thinking off).
+pub(crate) fn render_qwen3(t: ChatTemplate, messages: &[Message], train: &dyn Fn(usize) -> bool, generation_prompt: bool, push: &mut dyn FnMut(String, bool)) {
     let eot = ChatTemplate::Qwen3.end_of_turn();
     for (i, m) in messages.iter().enumerate() {
         push(format!("<|im_start|>{}\n", m.role), false);
@@ -44,11 +46,16 @@ pub(crate) fn render_qwen3(thinking: bool, messages: &[Message], train: &dyn Fn(
             "assistant" => {
                 let (reasoning, answer) = split_reasoning(m);
                 let target = crate::chat::is_target(m, i, train);
-                if thinking {
-                    push("<think>\n".into(), false);
-                    push(format!("{reasoning}\n</think>\n\n{answer}{eot}"), target);
-                } else {
-                    push(format!("<think>\n{reasoning}\n</think>\n\n{answer}{eot}"), target);
+                match t {
+                    ChatTemplate::Qwen3Thinking => {
+                        push("<think>\n".into(), false);
+                        push(format!("{reasoning}\n</think>\n\n{answer}{eot}"), target);
+                    }
+                    ChatTemplate::Qwen3NoThink => {
+                        push(format!("<think>\n{reasoning}\n</think>\n\n"), false);
+                        push(format!("{answer}{eot}"), target);
+                    }
+                    _ => push(format!("<think>\n{reasoning}\n</think>\n\n{answer}{eot}"), target),
                 }
             }
             _ => push(format!("{}{eot}", m.content), false),
@@ -56,6 +63,11 @@ pub(crate) fn render_qwen3(thinking: bool, messages: &[Message], train: &dyn Fn(
         push("\n".into(), false);
     }
     if generation_prompt {
-        push(format!("<|im_start|>assistant\n{}", if thinking { "<think>\n" } else { "" }), false);
+        let opened = match t {
+            ChatTemplate::Qwen3Thinking => "<think>\n",
+            ChatTemplate::Qwen3NoThink => "<think>\n\n</think>\n\n",
+            _ => "",
+        };
+        push(format!("<|im_start|>assistant\n{opened}"), false);
     }
 }

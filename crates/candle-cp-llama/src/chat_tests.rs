@@ -42,6 +42,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<|im_start|>assistant\n<think>\n",
         ),
         (
+            ChatTemplate::Qwen3NoThink,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi? <|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello.<|im_end|>\n<|im_start|>user\nName?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nBob<|im_end|>\n",
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        ),
+        (
             ChatTemplate::Gemma,
             "<bos><start_of_turn>user\nBe brief.\n\nHi?<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nName?<end_of_turn>\n<start_of_turn>model\nBob<end_of_turn>\n",
             "<start_of_turn>model\n",
@@ -179,7 +184,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, qwen3, qwen3-thinking, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, qwen3, qwen3-thinking, qwen3-no-think, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -300,6 +305,11 @@ fn qwen3_writes_each_answers_reasoning() -> Result<()> {
     let s = ChatTemplate::Qwen3Thinking.render(&conv, &|_| true, true)?;
     assert_eq!(targets(&s), "first\n</think>\n\nA1<|im_end|>second\n</think>\n\nA2<|im_end|>");
     assert!(s.iter().map(|(t, _)| t.as_str()).collect::<String>().ends_with("<|im_start|>assistant\n<think>\n"));
+    // (thinking off: the blocks prompt, the answers the targets; the generation prompt's block
+    // empty, as `enable_thinking=False` writes it)
+    let s = ChatTemplate::Qwen3NoThink.render(&conv, &|_| true, true)?;
+    assert_eq!(targets(&s), "A1<|im_end|>A2<|im_end|>");
+    assert!(s.iter().map(|(t, _)| t.as_str()).collect::<String>().ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
     // (one tag alone is no block: the content is the answer)
     assert_eq!(crate::chat_reasoning::split_reasoning(&Message::new("assistant", "x</think>y")), (String::new(), "x</think>y".to_string()));
     let v: Value = serde_json::from_str(r#"[{"role": "user", "content": "q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]"#).expect("json");
