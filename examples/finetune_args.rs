@@ -195,7 +195,7 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 1.0)]
     pub(crate) undesirable_weight: f64,
     /// The chat template of --sft / --dpo / --kto / --bco conversations: llama3, chatml, qwen3, qwen3-thinking, qwen3-no-think, gemma, phi3, phi4, granite,
-    /// deepseek, harmony (gpt-oss), glm4, glm4.5, olmo2, tulu (Llama-3.1-Tulu-3), exaone4, mistral-v1, mistral-v3 or mistral-v7 (default: the family of --model's own template, from its chat_template.jinja or
+    /// deepseek, harmony (gpt-oss), glm4, glm4.5, olmo2, tulu (Llama-3.1-Tulu-3), exaone4, exaone3.5, mistral-v1, mistral-v3 or mistral-v7 (default: the family of --model's own template, from its chat_template.jinja or
     /// tokenizer_config.json).
     #[arg(long, value_name = "NAME")]
     pub(crate) chat_template: Option<String>,

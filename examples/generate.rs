@@ -74,7 +74,7 @@ struct Args {
     /// token when the tokenizer holds it as one token.
     #[arg(long)]
     chat: bool,
-    /// The chat template of --chat: llama3, chatml, qwen3, qwen3-thinking, qwen3-no-think, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, mistral-v1, mistral-v3 or mistral-v7 (default:
+    /// The chat template of --chat: llama3, chatml, qwen3, qwen3-thinking, qwen3-no-think, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, exaone3.5, mistral-v1, mistral-v3 or mistral-v7 (default:
     /// the family of the model's chat_template.jinja / tokenizer_config.json).
     #[arg(long, value_name = "NAME")]
     chat_template: Option<String>,

@@ -142,6 +142,11 @@ pub enum ChatTemplate {
     /// block — part of the prompt, as the generation prompt writes it with thinking off. No
     /// BOS (the template writes none), no reasoning content, no tools.
     Exaone4,
+    /// EXAONE 3.5's (`exaone` models; EXAONE-3.5-*-Instruct): `[|role|]` before each turn's
+    /// text as written, a user's turn ended by `\n`, the others by `[|endofturn|]\n`, an empty
+    /// system turn first when the conversation opens without one; the generation prompt
+    /// `[|assistant|]`.
+    Exaone35,
     /// Mistral's updated V1 template: Mistral-7B-Instruct v0.1 / v0.2, Mixtral-8x7B-Instruct (a
     /// system turn's text before the FIRST user turn's; turns alternate user / assistant).
     MistralV1,
@@ -157,7 +162,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 19] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 20] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("qwen3", ChatTemplate::Qwen3),
@@ -174,6 +179,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 19] = [
     ("olmo2", ChatTemplate::Olmo2),
     ("tulu", ChatTemplate::Tulu),
     ("exaone4", ChatTemplate::Exaone4),
+    ("exaone3.5", ChatTemplate::Exaone35),
     ("mistral-v1", ChatTemplate::MistralV1),
     ("mistral-v3", ChatTemplate::MistralV3),
     ("mistral-v7", ChatTemplate::MistralV7),
@@ -205,8 +211,11 @@ impl ChatTemplate {
         } else if has("<|channel|>") && has("<|return|>") && has("<|start|>") {
             Some(Self::Harmony)
         } else if has("[|endofturn|]") && has("[|assistant|]") && has("<think>") {
-            // EXAONE 4.0's (3.5's, without a think block, is not this one)
+            // EXAONE 4.0's
             Some(Self::Exaone4)
+        } else if has("[|endofturn|]") && has("[|assistant|]") {
+            // EXAONE 3.5's, without a think block
+            Some(Self::Exaone35)
         } else if has("[gMASK]<sop>") && has("<think></think>") {
             // GLM-4.5 / 4.6: the empty think block written for an answer without reasoning
             Some(Self::Glm45)
@@ -258,7 +267,7 @@ impl ChatTemplate {
             Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
             Self::Olmo2 => "<|endoftext|>",
             Self::Tulu => "<|end_of_text|>",
-            Self::Exaone4 => "[|endofturn|]",
+            Self::Exaone4 | Self::Exaone35 => "[|endofturn|]",
             Self::Glm4 | Self::Glm45 => "<|user|>",
             Self::Harmony => "<|return|>",
         }
@@ -428,6 +437,26 @@ impl ChatTemplate {
                 }
                 if generation_prompt {
                     push("[|assistant|]\n<think>\n\n</think>\n\n".into(), false);
+                }
+            }
+            Self::Exaone35 => {
+                // (an empty system turn when the conversation opens without one)
+                if messages.first().is_some_and(|m| m.role != "system") {
+                    push(format!("[|system|]{eot}\n"), false);
+                }
+                for (i, m) in messages.iter().enumerate() {
+                    push(format!("[|{}|]", m.role), false);
+                    match m.role.as_str() {
+                        "user" => push(format!("{}\n", m.content), false),
+                        "assistant" => {
+                            push(format!("{}{eot}", m.content), is_target(m, i, train));
+                            push("\n".into(), false);
+                        }
+                        _ => push(format!("{}{eot}\n", m.content), false),
+                    }
+                }
+                if generation_prompt {
+                    push("[|assistant|]".into(), false);
                 }
             }
             Self::Olmo2 | Self::Tulu => {

@@ -47,6 +47,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<|im_start|>assistant\n<think>\n\n</think>\n\n",
         ),
         (
+            ChatTemplate::Exaone35,
+            "[|system|]Be brief.[|endofturn|]\n[|user|] Hi? \n[|assistant|]Hello.[|endofturn|]\n[|user|]Name?\n[|assistant|]Bob[|endofturn|]\n",
+            "[|assistant|]",
+        ),
+        (
             ChatTemplate::Gemma,
             "<bos><start_of_turn>user\nBe brief.\n\nHi?<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nName?<end_of_turn>\n<start_of_turn>model\nBob<end_of_turn>\n",
             "<start_of_turn>model\n",
@@ -184,7 +189,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, qwen3, qwen3-thinking, qwen3-no-think, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, qwen3, qwen3-thinking, qwen3-no-think, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, exaone3.5, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -212,7 +217,7 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("[gMASK]<sop>{%- set visible = content.split('</think>')[-1].strip() %}{% if add_generation_prompt %}<|assistant|>\n<think>{% endif %}", None),
         // (EXAONE 4.0's, and 3.5's without a think block)
         ("{%- if role == 'assistant' %}{{- '[|assistant|]\\n' }}{{- '<think>\\n\\n</think>\\n\\n' }}{{- content }}{{- '[|endofturn|]\\n' }}", Some(ChatTemplate::Exaone4)),
-        ("{{ '[|system|][|endofturn|]\\n' }}{{ '[|' + message['role'] + '|]' + message['content'] }}{% if message['role'] == 'user' %}{{ '\\n' }}{% else %}{{ '[|endofturn|]\\n' }}{% endif %}{{ '[|assistant|]' }}", None),
+        ("{{ '[|system|][|endofturn|]\\n' }}{{ '[|' + message['role'] + '|]' + message['content'] }}{% if message['role'] == 'user' %}{{ '\\n' }}{% else %}{{ '[|endofturn|]\\n' }}{% endif %}{{ '[|assistant|]' }}", Some(ChatTemplate::Exaone35)),
         // (GLM-4.5's: the empty think block of an answer without reasoning)
         ("[gMASK]<sop>{%- if loop.index0 > ns.last_user_index and reasoning_content -%}{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}{%- else -%}{{ '\\n<think></think>' }}{%- endif -%}", Some(ChatTemplate::Glm45)),
         ("{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{{- ' ' + message['content'] + eos_token}}", Some(ChatTemplate::MistralV1)),
@@ -319,5 +324,15 @@ fn qwen3_writes_each_answers_reasoning() -> Result<()> {
     assert_eq!(ChatTemplate::ChatMl.render_text(&m, false)?, "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n");
     let bad: Value = serde_json::from_str(r#"[{"role": "assistant", "content": "A", "reasoning_content": 3}]"#).expect("json");
     assert!(parse_messages(&bad, "`messages`").unwrap_err().to_string().contains("`reasoning_content` must be a string"));
+    Ok(())
+}
+
+/// EXAONE 3.5's: an empty system turn first when the conversation opens without one, every
+/// content as written (no trim), the answer and its end of turn the target.
+#[test]
+fn exaone35_opens_with_an_empty_system_turn() -> Result<()> {
+    let c = [Message::new("user", "Hi"), Message::new("assistant", " Hello ")];
+    assert_eq!(ChatTemplate::Exaone35.render_text(&c, true)?, "[|system|][|endofturn|]\n[|user|]Hi\n[|assistant|] Hello [|endofturn|]\n[|assistant|]");
+    assert_eq!(targets(&ChatTemplate::Exaone35.render(&c, &|_| true, false)?), " Hello [|endofturn|]");
     Ok(())
 }
