@@ -257,17 +257,13 @@ impl Llama {
             None => at(0),
             Some(&s) if starts.iter().all(|&x| x == s) => at(s),
             Some(_) => {
-                let rows = starts.iter().map(|&s| at(s)).collect::<Result<Vec<_>>>()?;
-                let stack = |pick: &dyn Fn(&((Tensor, Tensor), Option<(Tensor, Tensor)>)) -> Option<(Tensor, Tensor)>| -> Result<Option<(Tensor, Tensor)>> {
-                    let parts: Vec<(Tensor, Tensor)> = rows.iter().filter_map(pick).collect();
-                    if parts.is_empty() {
-                        return Ok(None);
-                    }
+                let stack = |parts: Vec<(Tensor, Tensor)>| -> Result<(Tensor, Tensor)> {
                     let (c, s): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
-                    Ok(Some((Tensor::stack(&c, 0)?, Tensor::stack(&s, 0)?)))
+                    Ok((Tensor::stack(&c, 0)?, Tensor::stack(&s, 0)?))
                 };
-                let global = stack(&|r| Some(r.0.clone()))?.ok_or_else(|| candle_core::Error::Msg("Llama::decode_step: no rows".into()))?;
-                Ok((global, stack(&|r| r.1.clone())?))
+                let (global, local): (Vec<_>, Vec<_>) = starts.iter().map(|&s| at(s)).collect::<Result<Vec<_>>>()?.into_iter().unzip();
+                let local = local.into_iter().collect::<Option<Vec<_>>>().map(stack).transpose()?;
+                Ok((stack(global)?, local))
             }
         }
     }

@@ -6,7 +6,7 @@ use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
 use candle_cp_comm::run_ranks;
 use candle_nn::VarBuilder;
 use std::sync::Arc;
-use crate::train::grpo::tests::{capitals, grad_gap, reverse_prompts, run, tiny_run};
+use crate::train::grpo::tests::{capitals, grad_gap, reverse_prompts, run, straight_and_resumed, tiny_run};
 
 /// The clipped surrogate: inside the range `−r·a` with derivative `r·a` with respect to the
 /// loss; a positive advantage clipped above `1 + ε_high`, a negative one below `1 − ε` (value
@@ -354,22 +354,11 @@ fn steps_per_generation_slices_one_generation() -> Result<()> {
         }
     }
     // killed inside the cycle, resumed from step 1's checkpoint
-    let dir = |tag: &str| std::env::temp_dir().join(format!("cp-grpo-spg-{tag}-{}", std::process::id()));
-    let (da, db) = (dir("a"), dir("b"));
-    let mut ca = with(Layout::cp(CpKind::Zigzag, 2), (2, 1), 4e-3);
-    (ca.out, ca.save_every) = (Some(da.clone()), 1);
-    let a = run(&ca)?;
-    let mut cb = ca.clone();
-    (cb.out, cb.save_every, cb.stop_after) = (Some(db.clone()), 1, Some(2));
-    run(&cb)?;
-    (cb.stop_after, cb.resume) = (None, true);
-    let b = run(&cb)?;
+    let (a, b) = straight_and_resumed(&with(Layout::cp(CpKind::Zigzag, 2), (2, 1), 4e-3), "spg", 1, 2)?;
     assert_eq!(b[0].start_step, 1);
     for (x, y) in a[0].metrics[1..].iter().zip(&b[0].metrics) {
         assert!(x.step == y.step && (x.train_loss - y.train_loss).abs() < 1e-9 && x.grpo_reward == y.grpo_reward && x.grpo_clip_ratio == y.grpo_clip_ratio, "step {}: straight {x:?} vs resumed {y:?}", x.step);
     }
-    std::fs::remove_dir_all(&da)?;
-    std::fs::remove_dir_all(&db)?;
     let mut bad = with(Layout::single(), (0, 1), 4e-3);
     bad.steps = 1;
     assert!(run(&bad).unwrap_err().to_string().contains("steps_per_generation must be ≥ 1"));

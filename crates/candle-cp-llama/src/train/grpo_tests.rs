@@ -104,6 +104,25 @@ pub(crate) fn run(c: &TrainConfig) -> Result<Vec<crate::train::TrainOutcome>> {
     run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect()
 }
 
+/// `c` run straight, a checkpoint every `every` steps, and again killed after `stop` steps and
+/// resumed from its last checkpoint: (straight, resumed) outcomes; the directories (named by
+/// `tag`) removed.
+pub(crate) fn straight_and_resumed(c: &TrainConfig, tag: &str, every: usize, stop: usize) -> Result<(Vec<crate::train::TrainOutcome>, Vec<crate::train::TrainOutcome>)> {
+    let dir = |side: &str| std::env::temp_dir().join(format!("cp-grpo-{tag}-{side}-{}", std::process::id()));
+    let (da, db) = (dir("a"), dir("b"));
+    let mut ca = c.clone();
+    (ca.out, ca.save_every) = (Some(da.clone()), every);
+    let a = run(&ca)?;
+    let mut cb = ca.clone();
+    (cb.out, cb.stop_after) = (Some(db.clone()), Some(stop));
+    run(&cb)?;
+    (cb.stop_after, cb.resume) = (None, true);
+    let b = run(&cb)?;
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(&db)?;
+    Ok((a, b))
+}
+
 /// The GRPO tests' run: the tiny model on `data`, rows of 48, `steps` steps of `batch` rows ×
 /// `grad_accum`, seed 3.
 pub(crate) fn tiny_run(layout: Layout, data: DataSource, steps: usize, (batch, grad_accum): (usize, usize)) -> TrainConfig {
@@ -251,22 +270,11 @@ fn grpo_runs_match_on_every_layout() -> Result<()> {
         }
     }
     // killed after step 3, resumed from step 2's checkpoint
-    let dir = |tag: &str| std::env::temp_dir().join(format!("cp-grpo-{tag}-{}", std::process::id()));
-    let (da, db) = (dir("a"), dir("b"));
-    let mut ca = with(Layout::cp(CpKind::Zigzag, 2), 0.04);
-    (ca.out, ca.save_every) = (Some(da.clone()), 2);
-    let a = run(&ca)?;
-    let mut cb = ca.clone();
-    (cb.out, cb.stop_after) = (Some(db.clone()), Some(3));
-    run(&cb)?;
-    (cb.stop_after, cb.resume) = (None, true);
-    let b = run(&cb)?;
+    let (a, b) = straight_and_resumed(&with(Layout::cp(CpKind::Zigzag, 2), 0.04), "kl", 2, 3)?;
     assert_eq!(b[0].start_step, 2);
     for (x, y) in a[0].metrics[2..].iter().zip(&b[0].metrics) {
         assert!(x.step == y.step && (x.train_loss - y.train_loss).abs() < 1e-9 && x.grpo_reward == y.grpo_reward && x.grpo_kl == y.grpo_kl, "step {}: straight {x:?} vs resumed {y:?}", x.step);
     }
-    std::fs::remove_dir_all(&da)?;
-    std::fs::remove_dir_all(&db)?;
     let mut bad = cfg(Layout::single());
     bad.grpo = None;
     assert!(run(&bad).unwrap_err().to_string().contains("train by GRPO"));

@@ -391,6 +391,15 @@ mod tests {
     use crate::oracle::randn;
     use candle_cp_comm::run_ranks;
 
+    /// Rank `r` of `p`'s zigzag shard of the first `t` rows of `k, v` (a prefill's cache).
+    fn prompt_shard(k: &Tensor, v: &Tensor, (r, p): (usize, usize), t: usize) -> Result<KvShard> {
+        let layout = crate::cp::Layout::Zigzag;
+        let mut shard = KvShard::new();
+        let sh = |x: &Tensor| crate::cp::shard(&x.narrow(1, 0, t)?, layout, r, p, 1);
+        shard.append(&sh(k)?, &sh(v)?, &crate::cp::positions(layout, r, p, t)?)?;
+        Ok(shard)
+    }
+
     /// A cache of `t` tokens sharded zigzag over P ranks plus decoded tokens appended
     /// round-robin: decoding the next tokens (each appended first) equals single-device
     /// causal attention of the whole sequence's last rows; with and without a window, GQA,
@@ -412,11 +421,7 @@ mod tests {
                 }
                 let res = run_ranks(p, |g: Group| {
                     let r = g.rank();
-                    let layout = crate::cp::Layout::Zigzag;
-                    let mut shard = KvShard::new();
-                    let pos = crate::cp::positions(layout, r, p, t)?;
-                    let sh = |x: &Tensor| crate::cp::shard(&x.narrow(1, 0, t)?, layout, r, p, 1);
-                    shard.append(&sh(&k)?, &sh(&v)?, &pos)?;
+                    let mut shard = prompt_shard(&k, &v, (r, p), t)?;
                     // one token at a time: positions t, t+1 (each appended to its owner first)
                     let mut outs = Vec::new();
                     for qp in [t, t + 1] {
@@ -469,11 +474,7 @@ mod tests {
             for p in [1usize, 2, 3] {
                 let res = run_ranks(p, |g: Group| {
                     let r = g.rank();
-                    let layout = crate::cp::Layout::Zigzag;
-                    let mut shard = KvShard::new();
-                    let pos = crate::cp::positions(layout, r, p, t)?;
-                    let sh = |x: &Tensor| crate::cp::shard(&x.narrow(1, 0, t)?, layout, r, p, 1);
-                    shard.append(&sh(&k)?, &sh(&v)?, &pos)?;
+                    let mut shard = prompt_shard(&k, &v, (r, p), t)?;
                     shard.set_row_starts(starts.to_vec());
                     let mut outs = Vec::new();
                     for qp in [t, t + 1] {
