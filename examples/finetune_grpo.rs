@@ -64,6 +64,11 @@ pub(crate) struct GrpoArgs {
     /// forward when sampled).
     #[arg(long, default_value_t = 1)]
     pub(crate) steps_per_generation: usize,
+    /// DAPO's dynamic sampling: set aside the groups whose completions all got the same reward
+    /// and sample new prompts in their place, at most N more generation batches per
+    /// generation (0: off).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub(crate) dynamic_sampling: usize,
     /// The clip range's lower side ε (TRL's epsilon).
     #[arg(long, default_value_t = 0.2)]
     pub(crate) epsilon: f64,
@@ -156,6 +161,7 @@ impl GrpoArgs {
             mask_truncated_completions: self.mask_truncated_completions,
             num_iterations: self.num_iterations,
             steps_per_generation: self.steps_per_generation,
+            dynamic_sampling: self.dynamic_sampling,
             epsilon: self.epsilon,
             epsilon_high: self.epsilon_high.unwrap_or(self.epsilon),
             importance_sampling_level: self.importance_sampling_level.parse::<ImportanceLevel>()?,

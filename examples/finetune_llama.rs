@@ -582,6 +582,7 @@ fn main() -> Result<()> {
         let aux = aux + &m.grpo_reward.zip(m.completion_length).map_or(String::new(), |(r, l)| format!("  reward {r:.3}  len {l:.1}"));
         let aux = aux + &m.grpo_kl.map_or(String::new(), |k| format!("  kl {k:.4}"));
         let aux = aux + &m.grpo_clip_ratio.map_or(String::new(), |c| format!("  clipped {c:.3}"));
+        let aux = aux + &m.grpo_zero_std.filter(|&z| z > 0.0).map_or(String::new(), |z| format!("  flat groups {z:.2}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         // (experts no token chose this step, over every sparse layer)
         let idle = m.expert_counts.as_ref().map_or((0, 0), |c| (c.iter().flatten().filter(|&&x| x == 0).count(), c.iter().map(Vec::len).sum()));

@@ -65,6 +65,7 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         top_entropy_quantile: pick(d, &[1.0, 0.5]),
         sapo_temperatures: pick(d, &[(1.0, 1.05), (2.0, 3.0)]),
         steps_per_generation: pick(d, &[1, 1, 2]),
+        dynamic_sampling: pick(d, &[0, 0, 2]),
     };
     // (CISPO: epsilon_high is the ratio's cap, and no δ; SAPO: no δ)
     match g.loss_type {

@@ -365,6 +365,37 @@ fn steps_per_generation_slices_one_generation() -> Result<()> {
     Ok(())
 }
 
+/// DAPO's dynamic sampling: a reward that is the same for every completion of the prompts of
+/// odd length leaves their groups flat; without dynamic sampling some steps train on flat groups
+/// (`grpo_zero_std` > 0), with 12 more rounds allowed none does, the rewards of every kept group
+/// spread; zigzag CP 2 and ring CP 2 × DP 2 follow one device (the same rounds, the same
+/// completions).
+#[test]
+fn dynamic_sampling_replaces_flat_groups() -> Result<()> {
+    let set = reverse_prompts(8, 2)?;
+    let capitals = capitals();
+    let reward: super::super::grpo::RewardFn = Arc::new(move |p, c, a| if p.len() % 2 == 1 { Ok(0.5) } else { capitals(p, c, a) });
+    let with = |layout: Layout, rounds: usize| -> TrainConfig {
+        let mut c = tiny_run(layout, DataSource::Prompts(set.clone()), 4, (2, 2));
+        c.schedule.peak = 4e-3;
+        c.grpo = Some(GrpoConfig { loss_type: GrpoLoss::Grpo, scale_rewards: ScaleRewards::Group, dynamic_sampling: rounds, reward: reward.clone(), ..grpo_cfg(ImportanceLevel::Token, 1) });
+        c
+    };
+    let plain = run(&with(Layout::single(), 0))?;
+    assert!(plain[0].metrics.iter().any(|m| m.grpo_zero_std.is_some_and(|z| z > 0.0)), "flat groups without dynamic sampling: {:?}", plain[0].metrics);
+    let one = run(&with(Layout::single(), 12))?;
+    let m = &one[0].metrics;
+    assert!(m.iter().all(|x| x.grpo_zero_std == Some(0.0)), "no flat group kept: {m:?}");
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2)] {
+        let other = run(&with(layout, 12))?;
+        for (a, b) in m.iter().zip(&other[0].metrics) {
+            assert_eq!((a.grpo_reward, a.completion_length, a.grpo_zero_std), (b.grpo_reward, b.completion_length, b.grpo_zero_std), "{layout} step {}: the same completions", a.step);
+            assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0) && (a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: {a:?} vs {b:?}", a.step);
+        }
+    }
+    Ok(())
+}
+
 /// Reward functions at the run's edges: a command's rewards (a shell script counting the
 /// capitals of each completion's text) give zigzag CP 2 the single device's run, the command
 /// asked once per distinct completion however many ranks ask (its log counts the queries); a

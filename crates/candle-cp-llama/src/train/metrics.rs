@@ -81,6 +81,10 @@ pub struct StepMetrics {
     /// that train on an earlier step's completions, `num_iterations` > 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grpo_clip_ratio: Option<f64>,
+    /// A GRPO run's fraction of the step's groups whose completions all got the same reward
+    /// (no advantage, nothing learnt from them; TRL's `frac_reward_zero_std`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpo_zero_std: Option<f64>,
     /// A GRPO run's held-out reward: the mean reward of a greedy completion of each held-out
     /// prompt, where evaluated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -226,6 +230,7 @@ mod tests {
             completion_length: step.is_multiple_of(8).then_some(3.5),
             grpo_kl: step.is_multiple_of(8).then_some(0.0625),
             grpo_clip_ratio: step.is_multiple_of(8).then_some(0.03125),
+            grpo_zero_std: step.is_multiple_of(8).then_some(0.25),
             eval_reward: step.is_multiple_of(8).then_some(0.4375),
             eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }

@@ -434,7 +434,8 @@ pub fn train_rank(
         let mut objective = 0f64;
         let mut dpo_sums = [0f64; 3];
         // GRPO: the step's rewards, completion tokens and completions
-        let mut grpo_sums = [0f64; 3];
+        // (GRPO: Σ rewards, Σ lengths, completions, groups with one reward, groups)
+        let mut grpo_sums = [0f64; 5];
         let mut grpo_kl = 0f64;
         let mut grpo_clip: Option<f64> = None;
         let mut aux_sum: Option<f64> = None;
@@ -457,6 +458,12 @@ pub fn train_rank(
                     grpo_sums[0] += r.rewards.iter().sum::<f64>();
                     grpo_sums[1] += r.lengths.iter().sum::<usize>() as f64;
                     grpo_sums[2] += r.rewards.len() as f64;
+                    if let Some(g) = &grpo {
+                        for group in r.rewards.chunks(g.cfg.num_generations) {
+                            grpo_sums[3] += group.iter().all(|x| x.to_bits() == group[0].to_bits()) as u8 as f64;
+                            grpo_sums[4] += 1.0;
+                        }
+                    }
                     rows_batch(&r.rows, cfg, (step, micro), &host)?
                 }
                 None => global_batch(cfg, step, micro, &host)?,
@@ -674,6 +681,7 @@ pub fn train_rank(
             completion_length: grpo.as_ref().map(|_| grpo_sums[1] / grpo_sums[2].max(1.0)),
             grpo_kl: grpo.as_ref().filter(|g| g.cfg.beta > 0.0).map(|_| grpo_kl * inv_accum),
             grpo_clip_ratio: grpo_clip.map(|c| c * inv_accum),
+            grpo_zero_std: grpo.as_ref().map(|_| grpo_sums[3] / grpo_sums[4].max(1.0)),
             eval_reward,
             eval_dpo_accuracy,
         };
