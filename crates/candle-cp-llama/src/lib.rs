@@ -66,6 +66,7 @@ pub mod config;
 pub mod expert_params;
 pub mod fused;
 pub mod generate;
+mod generate_loop;
 mod generate_ragged;
 pub mod grads;
 pub mod head_loss;

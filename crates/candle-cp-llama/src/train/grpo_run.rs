@@ -299,7 +299,7 @@ impl GrpoRun {
     /// forward of `model` over their rows now (on `dev`). Collective over the world.
     pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, (ctx, dev): (&ParallelCtx, &Device)) -> Result<()> {
         let s = self.cfg.steps_per_generation;
-        let mut r = super::grpo::rollouts(model, &self.cfg, &self.set, cfg.seed, (step, s * cfg.grad_accum), (cfg.batch, cfg.seq_len))?;
+        let mut r = super::grpo_sample::rollouts(model, &self.cfg, &self.set, cfg.seed, (step, s * cfg.grad_accum), (cfg.batch, cfg.seq_len))?;
         // (every rank must weigh the same rewards: a reward function that is not a function of
         // its completion would part them silently)
         let all: Vec<f64> = r.iter().flat_map(|x| x.rewards.iter().copied()).collect();

@@ -89,7 +89,7 @@ fn one_micro(mcfg: &LlamaConfig, cfg: &GrpoConfig, set: &PromptSet, ctx: &Parall
         Ok((vm, m))
     };
     let ((vm, m), (_, other)) = (model(5)?, model(6)?);
-    let mut step = [super::super::grpo::rollouts(&m, cfg, set, 3, (0, 1), (2, 48))?.remove(0)];
+    let mut step = [super::super::grpo_sample::rollouts(&m, cfg, set, 3, (0, 1), (2, 48))?.remove(0)];
     super::super::grpo::weigh_step(&mut step, cfg)?;
     let [r] = step;
     let ids = Tensor::from_vec(r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), (2, 48), &dev)?;

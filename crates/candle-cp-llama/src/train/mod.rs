@@ -18,6 +18,7 @@ pub mod dpo_loss;
 pub mod eval;
 pub mod grpo;
 pub mod grpo_run;
+pub(crate) mod grpo_sample;
 pub mod kto;
 pub mod ld_dpo;
 mod grad_step;
