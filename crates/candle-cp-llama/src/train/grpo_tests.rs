@@ -1,4 +1,6 @@
 use super::*;
+use crate::train::rng::Rng;
+use crate::Llama;
 use crate::train::sft::bytes_of;
 use crate::train::{DataSource, ModelSource, TrainConfig};
 use crate::{init_params, shard_batch, shard_params, CpKind, Layout, LlamaConfig, ParallelCtx};
