@@ -228,11 +228,11 @@ impl Rollout {
 /// This rank's per-token losses of `r`'s rows under `model` as it is (the trainer's sharding
 /// and forward, without dropout or a backward): `π_old` of a slice trained after the sampling
 /// step. Collective over the world.
-fn old_losses(model: &Llama, r: &Rollout, (ctx, dev): (&ParallelCtx, &Device)) -> Result<Vec<f32>> {
-    let (b, t) = r.slots.dims2()?;
-    let ids: Vec<u32> = r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-    let docs = r.rows.iter().map(|s| s.documents.clone()).collect::<Option<Vec<_>>>().ok_or_else(|| candle_core::Error::Msg("grpo: a rollout row without documents".into()))?;
-    let sb = crate::shard_batch_packed(&Tensor::from_vec(ids, (b, t), &Device::Cpu)?, &docs, ctx)?;
+fn old_losses(model: &Llama, r: &Rollout, (cfg, step, micro): (&super::TrainConfig, usize, usize), (ctx, dev): (&ParallelCtx, &Device)) -> Result<Vec<f32>> {
+    // (the rows as the trainer batches them)
+    let (ids, _, docs) = super::trainer::rows_batch(&r.rows, cfg, (step, micro), &Device::Cpu)?;
+    let docs = docs.ok_or_else(|| candle_core::Error::Msg("grpo: a rollout row without documents".into()))?;
+    let sb = crate::shard_batch_packed(&ids, &docs, ctx)?;
     let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?;
     nll.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()
 }
@@ -315,8 +315,8 @@ impl GrpoRun {
             super::grpo::weigh_step(slice, &self.cfg)?;
         }
         // (the later slices' π_old: the sampling policy's losses of their rows, now)
-        for later in r.iter_mut().skip(cfg.grad_accum) {
-            let values = old_losses(model, later, (ctx, dev))?;
+        for (k, later) in r.iter_mut().enumerate().skip(cfg.grad_accum) {
+            let values = old_losses(model, later, (cfg, step + k / cfg.grad_accum, k % cfg.grad_accum), (ctx, dev))?;
             later.record_old(&values, ctx, ctx.token_group())?;
         }
         self.kept = Some(Kept { at: step, rollouts: r });

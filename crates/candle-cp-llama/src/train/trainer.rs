@@ -76,7 +76,7 @@ pub(crate) fn batch_of(
 }
 
 /// `rows` as a micro-batch: ids and marks `[B, T]` on `dev`, their documents.
-fn rows_batch(rows: &[super::Sample], cfg: &TrainConfig, (step, micro): (usize, usize), dev: &Device) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
+pub(super) fn rows_batch(rows: &[super::Sample], cfg: &TrainConfig, (step, micro): (usize, usize), dev: &Device) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
     let ids: Vec<u32> = rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mask: Vec<u32> = rows
         .iter()
