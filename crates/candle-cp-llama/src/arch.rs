@@ -152,8 +152,22 @@ impl Arch {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
     }
 
+    /// The architecture of class `c`: its causal LM (`LlamaForCausalLM`) or its sequence
+    /// classifier (`LlamaForSequenceClassification`, a reward model: [`num_labels`]).
     fn of_class(c: &str) -> Option<Arch> {
+        let causal = c.strip_suffix(SEQUENCE_CLASSIFICATION).map(|stem| format!("{stem}ForCausalLM"));
+        let c = causal.as_deref().unwrap_or(c);
         Arch::ALL.into_iter().find(|a| a.hf_names().0 == c)
+    }
+
+    /// The class transformers names a model of this architecture by: the causal LM
+    /// ([`Arch::hf_names`]), or with a score head of `num_labels` its sequence classifier.
+    pub fn hf_class(self, num_labels: Option<usize>) -> String {
+        let causal = self.hf_names().0;
+        match (num_labels, causal.strip_suffix("ForCausalLM")) {
+            (Some(_), Some(stem)) => format!("{stem}{SEQUENCE_CLASSIFICATION}"),
+            _ => causal.to_string(),
+        }
     }
 
     /// `(architectures[0], model_type)` as transformers writes them.
@@ -350,6 +364,34 @@ impl Arch {
     }
 }
 
+/// The suffix of transformers' sequence-classification classes (`LlamaForSequenceClassification`).
+const SEQUENCE_CLASSIFICATION: &str = "ForSequenceClassification";
+
+/// A reward model's labels from `config.json`: `Some(n)` when `architectures` names a
+/// `*ForSequenceClassification` class — `n` the entries of `id2label`, else `num_labels`, else
+/// transformers' default 2 — `None` for a causal LM. Errors name a config that names both
+/// kinds of class, or an `id2label` / `num_labels` that is not a positive count.
+pub(crate) fn num_labels(m: &Map<String, Value>) -> Result<Option<usize>> {
+    let classes: Vec<&str> = m.get("architectures").and_then(|v| v.as_array()).map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
+    let seq = classes.iter().filter(|c| c.ends_with(SEQUENCE_CLASSIFICATION)).count();
+    if seq == 0 {
+        return Ok(None);
+    }
+    if seq != classes.len() {
+        bail!("config.json: `architectures` {classes:?} names a sequence classifier and another class")
+    }
+    let n = match (m.get("id2label"), m.get("num_labels")) {
+        (Some(Value::Object(o)), _) => o.len(),
+        (Some(other), _) if !other.is_null() => bail!("config.json: `id2label` must be an object, got {other}"),
+        (_, Some(v)) if !v.is_null() => v.as_u64().ok_or_else(|| candle_core::Error::Msg(format!("config.json: `num_labels` must be a non-negative integer, got {v}")))? as usize,
+        _ => 2,
+    };
+    if n == 0 {
+        bail!("config.json: a sequence classifier ({}) with no label", classes[0])
+    }
+    Ok(Some(n))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -364,6 +406,23 @@ mod tests {
 
     fn err(extra: &str) -> String {
         parse(extra).err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn sequence_classifiers_are_reward_models() -> Result<()> {
+        // the causal LM's architecture with a score head: labels from id2label, num_labels or 2
+        for (extra, arch, n) in [
+            (r#", "architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "LABEL_0"}"#, Arch::Llama, 1),
+            (r#", "architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2", "num_labels": 3"#, Arch::Qwen2, 3),
+            (r#", "architectures": ["Qwen3ForSequenceClassification"]"#, Arch::Qwen3, 2),
+        ] {
+            let c = parse(extra)?;
+            assert_eq!((c.arch(), c.num_labels), (arch, Some(n)), "{extra}");
+            assert_eq!(arch.hf_class(c.num_labels), arch.hf_names().0.replace("ForCausalLM", "ForSequenceClassification"));
+        }
+        assert_eq!(parse("")?.num_labels, None);
+        assert_eq!(Arch::Qwen3.hf_class(None), "Qwen3ForCausalLM");
+        Ok(())
     }
 
     #[test]
@@ -394,7 +453,9 @@ mod tests {
         for (extra, want) in [
             (r#", "model_type": "deepseek_vl_v2""#, "model_type `deepseek_vl_v2` not supported"),
             (r#", "architectures": ["DeepseekVLV2ForCausalLM"]"#, "architecture `DeepseekVLV2ForCausalLM` not supported"),
-            (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
+            (r#", "architectures": ["LlamaForSequenceClassification", "LlamaForCausalLM"]"#, "names a sequence classifier and another class"),
+            (r#", "architectures": ["LlamaForSequenceClassification"], "id2label": {}"#, "with no label"),
+            (r#", "architectures": ["LlamaForTokenClassification"]"#, "LlamaForTokenClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),
             (r#", "attention_bias": true"#, "`attention_bias: true` not supported"),

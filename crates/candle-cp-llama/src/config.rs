@@ -145,6 +145,13 @@ pub struct LlamaConfig {
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
+    /// A reward model's (sequence classifier's) labels: `Some(n)` puts transformers'
+    /// `*ForSequenceClassification` head `score.weight` `[n, h]` (no bias, replicated over TP)
+    /// in place of the LM head, read at each sequence's (document's) last token
+    /// ([`crate::reward`]); `None`: a causal LM. From `config.json` when its `architectures`
+    /// names a `*ForSequenceClassification` class (`id2label`'s entries, else `num_labels`,
+    /// else transformers' default 2).
+    pub num_labels: Option<usize>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -348,6 +355,7 @@ impl LlamaConfig {
             },
             mla: None,
             lora: None,
+            num_labels: crate::arch::num_labels(m)?,
         };
         // DeepSeek-V3: the latent attention sets the head width the attention runs at
         let cfg = match arch {
@@ -407,6 +415,7 @@ impl LlamaConfig {
             glm: None,
             mla: None,
             lora: None,
+            num_labels: None,
         }
     }
 

@@ -69,7 +69,7 @@ impl LlamaConfig {
             }
             RopeScaling::LongRope { .. } => phi3::write_longrope(&mut rope, &self.rope_scaling, self.max_position_embeddings),
         }
-        let (arch, model_type) = self.arch().hf_names();
+        let (arch, model_type) = (self.arch().hf_class(self.num_labels), self.arch().hf_names().1);
         let v = json!({
             "architectures": [arch],
             "model_type": model_type,
@@ -100,6 +100,11 @@ impl LlamaConfig {
         });
         let mut v = v;
         if let Some(m) = v.as_object_mut() {
+            // a reward model: transformers' labels of its score head
+            if let Some(n) = self.num_labels {
+                m.insert("id2label".into(), Value::Object((0..n).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect()));
+                m.insert("label2id".into(), Value::Object((0..n).map(|i| (format!("LABEL_{i}"), json!(i))).collect()));
+            }
             if self.rope_scaling != RopeScaling::Default {
                 m.insert("rope_scaling".into(), Value::Object(rope));
             }

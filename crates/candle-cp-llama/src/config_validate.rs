@@ -13,6 +13,7 @@ impl LlamaConfig {
         if self.tie_word_embeddings && self.lora.as_ref().is_some_and(|l| l.modules_to_save.iter().any(|m| m == "lm_head")) {
             bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
         }
+        crate::reward::validate(self)?;
         phi3::validate(self)?;
         smollm3::validate(self)?;
         granite::validate(self)?;

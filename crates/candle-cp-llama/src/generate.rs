@@ -247,7 +247,7 @@ impl Llama {
     /// Logits `[B, T, V]` of hidden states `[B, T, h]` replicated on the TP ranks (the
     /// vocabulary slices all-gathered when the head is split).
     fn logits_whole(&self, h: &Tensor) -> Result<Tensor> {
-        let l = linear(h, &self.lm_head)?;
+        let l = linear(h, self.lm_head()?)?;
         let l = if self.vocab_parallel() {
             // without the padding columns of a vocabulary TP does not divide
             self.ctx.tp.all_gather(&l.contiguous()?, 2)?.narrow(2, 0, self.cfg.vocab_size)?

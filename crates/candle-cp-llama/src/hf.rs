@@ -245,6 +245,13 @@ fn refuse_names<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: im
 pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device, dtype: DType) -> Result<(VarMap, LlamaConfig)> {
     let dir = dir.as_ref();
     let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+    load_hf_sharded_as(dir, cfg, ctx, device, dtype, None)
+}
+
+/// [`load_hf_sharded`] of `dir` as the model of `cfg` (its `config.json`, or that with a
+/// reward model's score head, [`crate::reward::load_hf_sharded_reward`]); with `new_score` a
+/// score head the checkpoint lacks is drawn from that seed (and its LM head is not read).
+pub(crate) fn load_hf_sharded_as(dir: &Path, cfg: LlamaConfig, ctx: &ParallelCtx, device: &Device, dtype: DType, new_score: Option<u64>) -> Result<(VarMap, LlamaConfig)> {
     ctx.layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
     let files = safetensors_files(dir)?;
     // SAFETY: the files are mapped read-only for the length of this call; as with candle's
@@ -253,13 +260,21 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
         .map_err(|e| io_err("mapping", dir, e))?;
     let names = st.tensors();
     let prefix = TextPrefix::detect(&cfg, names.iter().map(|(n, _)| n.as_str()));
-    refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?;
+    let new_score = new_score.filter(|_| !names.iter().any(|(n, _)| prefix.param_name(n).as_deref() == Some(crate::reward::SCORE)));
+    match new_score {
+        // (a causal LM read as a reward model: its head is not read)
+        Some(_) => refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()).filter(|n| prefix.param_name(n).as_deref() != Some("lm_head.weight")))?,
+        None => refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?,
+    }
     // (a Phi-3's fused tensor is read once for its parts, which follow each other, and so is
     // transformers 5's experts' gate_up_proj; a gpt-oss's gate_up_proj, dequantized if MXFP4,
     // once for its gate and up: `whole`)
     let mut last: Option<(String, Tensor)> = None;
     let mut whole = None;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
+        if let (Some(seed), crate::reward::SCORE) = (new_score, spec.name.as_str()) {
+            return crate::params::init_tensor(spec, seed, &cfg);
+        }
         param_from_checkpoint(dir, &cfg, spec, prefix, &mut whole, |name| {
             if let Some((_, t)) = last.as_ref().filter(|(n, _)| n == name) {
                 return Ok(Some(t.clone()));

@@ -77,6 +77,8 @@ pub struct Llama {
     recompute: Option<Recompute>,
     pub(crate) norm: RmsNorm,
     pub(crate) lm_head: Tensor,
+    /// A reward model's score head `[n, h]` ([`LlamaConfig::num_labels`], [`crate::reward`]).
+    pub(crate) score: Option<Tensor>,
     /// See [`Llama::set_param_hook`].
     param_hook: Mutex<Option<ParamHook>>,
     /// The sparse layers' router statistics of the last forward ([`Llama::router_aux_loss`]).
@@ -147,7 +149,10 @@ impl Llama {
     fn assemble(lb: &LayerBuilder, cfg: &LlamaConfig, ctx: &ParallelCtx, blocks: Vec<Arc<Block>>, lazy: Option<Arc<LayerBuilder<'static>>>, router_log: RouterLog) -> Result<Self> {
         let embed = lb.get("model.embed_tokens.weight")?;
         let norm = lb.norm(lb.vb().pp("model.norm"))?;
-        let lm_head = if cfg.tie_word_embeddings {
+        // (a reward model has no LM head: its score head instead, and `lm_head` is never read —
+        // Llama::lm_head refuses)
+        let score = cfg.num_labels.map(|_| lb.get(crate::reward::SCORE)).transpose()?;
+        let lm_head = if cfg.tie_word_embeddings || score.is_some() {
             embed.clone()
         } else {
             lb.get("lm_head.weight")?
@@ -161,6 +166,7 @@ impl Llama {
             recompute: None,
             norm,
             lm_head,
+            score,
             param_hook: Mutex::new(None),
             router_log,
             lora_rows: lb.lora_rows.clone(),

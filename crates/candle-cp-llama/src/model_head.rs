@@ -32,11 +32,11 @@ impl Llama {
     fn logits_of(&self, h: &Tensor) -> Result<Tensor> {
         let h = h.clone();
         if !self.vocab_parallel() {
-            return linear(&h, &self.lm_head);
+            return linear(&h, self.lm_head()?);
         }
         // this rank's vocabulary slice of the logits of the whole TP region, then all of them
         let (g, sp) = (&self.ctx.tp, self.ctx.layout.seq_parallel());
-        let l = linear(&self.head_region(&h)?, &self.lm_head)?.contiguous()?; // [B, Tc, ⌈V/P⌉]
+        let l = linear(&self.head_region(&h)?, self.lm_head()?)?.contiguous()?; // [B, Tc, ⌈V/P⌉]
         let all = if sp {
             // backward: reduce-scatter (each rank's loss saw only its own rows)
             let ts = h.dim(1)?;
@@ -47,6 +47,15 @@ impl Llama {
         };
         // the padding columns of a vocabulary TP does not divide go (zero gradient)
         all.narrow(2, 0, self.cfg.vocab_size)
+    }
+
+    /// The LM head `[V, h]` (this rank's vocabulary rows, or the tied embedding); an error for a
+    /// reward model, which has a score head instead ([`crate::reward`]).
+    pub(crate) fn lm_head(&self) -> Result<&Tensor> {
+        match self.cfg.num_labels {
+            Some(n) => bail!("a reward model ({}, {n} label(s)) has no LM head: it scores sequences (Llama::scores_packed), it does not predict tokens", self.cfg.arch().hf_class(Some(n))),
+            None => Ok(&self.lm_head),
+        }
     }
 
     /// Whether the embedding and the LM head are split by vocabulary rows over TP
@@ -141,15 +150,15 @@ impl Llama {
             let chunk = crate::head_loss::default_chunk_rows(candle_cp_nn::padded_rows(v, g.size()));
             let (x, cap) = (self.head_region(&h)?, self.cfg.final_logit_softcap());
             return match stat {
-                Some(st) => crate::head_loss::token_nll_vocab_parallel_stat(&x, &self.lm_head, &labels_region, v, chunk, g, (sp, cap), st).map(|(n, q)| (n, Some(q))),
-                None => Ok((crate::head_loss::token_nll_vocab_parallel(&x, &self.lm_head, &labels_region, v, chunk, g, sp, cap)?, None)),
+                Some(st) => crate::head_loss::token_nll_vocab_parallel_stat(&x, self.lm_head()?, &labels_region, v, chunk, g, (sp, cap), st).map(|(n, q)| (n, Some(q))),
+                None => Ok((crate::head_loss::token_nll_vocab_parallel(&x, self.lm_head()?, &labels_region, v, chunk, g, sp, cap)?, None)),
             };
         }
         let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size);
         let (x, labels) = (h.reshape((b * ts, hd))?, labels.flatten_all()?);
         let (nll, sq) = match stat {
-            Some(st) => crate::head_loss::token_nll_stat(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap(), st).map(|(n, q)| (n, Some(q)))?,
-            None => (crate::head_loss::token_nll(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap())?, None),
+            Some(st) => crate::head_loss::token_nll_stat(&x, self.lm_head()?, &labels, chunk, self.cfg.final_logit_softcap(), st).map(|(n, q)| (n, Some(q)))?,
+            None => (crate::head_loss::token_nll(&x, self.lm_head()?, &labels, chunk, self.cfg.final_logit_softcap())?, None),
         };
         Ok((nll.reshape((b, ts))?, sq.map(|q| q.reshape((b, ts))).transpose()?))
     }

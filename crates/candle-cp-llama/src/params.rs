@@ -37,7 +37,8 @@
 //! | `mlp.shared_experts.{gate,up,down}_proj.weight` (GLM-4.5) | as Qwen2-MoE's shared expert | as it |
 //!
 //! and the model ends with `lm_head.weight` `[V, h]` (absent when tied), rows (vocabulary) as
-//! the embedding.
+//! the embedding; a reward model ([`LlamaConfig::num_labels`]) with `score.weight` `[n, h]`,
+//! replicated, instead.
 //!
 //! A sparse layer's experts are stacked: one `[E, ·, ·]` tensor per projection (the layout of
 //! transformers 5's fused experts), which the experts' grouped matmul reads without a copy.
@@ -320,8 +321,11 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         }
     }
     add("model.norm.weight".into(), vec![h], norm);
-    if !cfg.tie_word_embeddings {
-        add("lm_head.weight".into(), vec![v, h], vocab);
+    match cfg.num_labels {
+        // a reward model: transformers' score head, no LM head (replicated: it is tiny)
+        Some(n) => add(crate::reward::SCORE.into(), vec![n, h], norm),
+        None if !cfg.tie_word_embeddings => add("lm_head.weight".into(), vec![v, h], vocab),
+        None => {}
     }
     out
 }
@@ -388,7 +392,7 @@ pub fn fused_checkpoint_tensor(spec: &ParamSpec) -> Option<(String, Option<(usiz
 pub fn param_group(name: &str, layers: usize) -> Option<usize> {
     match name {
         "model.embed_tokens.weight" => Some(0),
-        "model.norm.weight" | "lm_head.weight" => Some(layers + 1),
+        "model.norm.weight" | "lm_head.weight" | crate::reward::SCORE => Some(layers + 1),
         _ => {
             let i: usize = name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()?;
             (i < layers).then_some(1 + i)

@@ -97,6 +97,11 @@ pub struct TrainConfig {
     /// GRPO ([`super::grpo`]): the data are prompts ([`super::DataSource::Prompts`]) whose
     /// completions each micro-batch samples from the policy and rewards. `None`: offline data.
     pub grpo: Option<super::grpo::GrpoConfig>,
+    /// Train a reward model on preference pairs ([`super::DataSource::Preference`],
+    /// [`super::reward`]): the model gets a score head ([`crate::reward`]: a causal LM's is
+    /// drawn, its LM head left unread) and the objective is the pairs' Bradley–Terry loss;
+    /// checkpoints are `*ForSequenceClassification` models. `None`: a causal LM's objectives.
+    pub reward: Option<super::reward::RewardConfig>,
     /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias; Megatron-Core's
     /// `moe_router_bias_update_rate`, 1e-3 there): after each step every sparse layer's bias
     /// moves by `rate · sign(mean − count)` of the step's global expert counts
@@ -165,6 +170,7 @@ impl TrainConfig {
             long_range_only: false,
             dpo: None,
             grpo: None,
+            reward: None,
             expert_bias_update: None,
             tokenizer: None,
             args: serde_json::Value::Null,

@@ -83,7 +83,8 @@ impl DpoRun {
 pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, (policy, mcfg): (&candle_nn::VarMap, &crate::LlamaConfig), ctx: &ParallelCtx, dev: &Device, resume_dir: Option<&std::path::Path>, is_main: bool) -> Result<Option<DpoRun>> {
     let resumed = resume_dir.is_some();
     let (dc, set) = match (&cfg.dpo, &cfg.data) {
-        (None, super::DataSource::Preference(_)) => bail!("train: preference pairs train by DPO: set dpo"),
+        (None, super::DataSource::Preference(_)) if cfg.reward.is_some() => return Ok(None),
+        (None, super::DataSource::Preference(_)) => bail!("train: preference pairs train by DPO (set dpo) or a reward model (set reward)"),
         (None, _) => return Ok(None),
         (Some(dc), super::DataSource::Preference(set)) => (dc, set),
         (Some(_), _) => bail!("train: dpo trains on preference pairs (DataSource::Preference)"),

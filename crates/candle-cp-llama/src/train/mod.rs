@@ -1,6 +1,6 @@
 //! Training utilities for the fine-tuning example and for users' own training loops:
 //! seedable RNG ([`rng`]), synthetic long-range data and text streams ([`data`]), packed
-//! documents ([`packed_data`]), supervised and preference data ([`sft`], [`preference`]) and DPO and its variants ([`dpo`], KTO: [`kto`], BCO: [`bco`]), AdamW with ZeRO-1 (bucketed reduce-scatter and all-gather) and
+//! documents ([`packed_data`]), supervised and preference data ([`sft`], [`preference`]) and DPO and its variants ([`dpo`], KTO: [`kto`], BCO: [`bco`]), reward models ([`reward`]), AdamW with ZeRO-1 (bucketed reduce-scatter and all-gather) and
 //! saveable state ([`optim`]), warmup + cosine schedule ([`schedule`]), global-norm gradient
 //! clipping across ranks ([`clip`]), metrics log and peak memory ([`metrics`]), PNG loss plots
 //! ([`plot`]) and atomic checkpoints ([`checkpoint`]).
@@ -29,6 +29,7 @@ pub mod packed_data;
 mod param_gather;
 pub mod plot;
 pub mod preference;
+pub mod reward;
 pub mod reward_command;
 pub mod rng;
 pub mod schedule;
@@ -48,6 +49,7 @@ pub use optim::{AdamW, AdamWConfig};
 pub use zero::PendingParams;
 pub use packed_data::PackedStream;
 pub use dpo::{DpoConfig, DpoLoss};
+pub use reward::RewardConfig;
 pub use preference::PreferenceSet;
 pub use rng::Rng;
 pub use schedule::WarmupCosine;

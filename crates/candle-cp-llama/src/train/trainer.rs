@@ -210,15 +210,25 @@ pub fn train_rank(
             let (vm, c) = load_hf_sharded(&base, &ctx, &dev, cfg.dtype)?;
             (vm, c, Some(st), (base != *dir).then_some(base))
         }
+        // (a reward model: a causal LM's score head drawn, its LM head not read)
+        (None, ModelSource::Hf(dir)) if cfg.reward.is_some() => {
+            let (vm, c) = crate::reward::load_hf_sharded_reward(dir, 1, cfg.seed, &ctx, &dev, cfg.dtype)?;
+            (vm, c, None, Some(dir.clone()))
+        }
         (None, ModelSource::Hf(dir)) => {
             let (vm, c) = load_hf_sharded(dir, &ctx, &dev, cfg.dtype)?;
             (vm, c, None, Some(dir.clone()))
         }
         (None, ModelSource::Init(c)) => {
             cfg.layout.validate(c.num_attention_heads, c.num_key_value_heads)?;
-            (init_params_sharded(c, cfg.seed, cfg.dtype, &ctx, &dev)?, c.clone(), None, None)
+            let c = match (&cfg.reward, c.num_labels) {
+                (Some(_), None) => c.clone().with_num_labels(Some(1)),
+                _ => c.clone(),
+            };
+            (init_params_sharded(&c, cfg.seed, cfg.dtype, &ctx, &dev)?, c, None, None)
         }
     };
+    super::reward::check_run(cfg, &mcfg)?;
     let window_changed = cfg.sliding_window.is_some() && cfg.sliding_window != mcfg.sliding_window;
     if cfg.sliding_window.is_some() {
         mcfg.sliding_window = cfg.sliding_window;
@@ -493,7 +503,19 @@ pub fn train_rank(
                 (_, Some(g)) if g.cfg.top_entropy_quantile < 1.0 => Some(crate::head_loss::HeadStat::Entropy),
                 _ => None,
             };
+            // (a reward model: its scores of the rows' answers and their pairs' loss; it has no
+            // LM head, so no per-token losses)
+            let reward_loss = match (&cfg.reward, &docs) {
+                (Some(r), Some(_)) => {
+                    let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
+                    let scores = model.scores_packed(&ids_d, &pos_d, &sb.documents)?;
+                    Some(super::reward::RewardBatch::new(&rows, cfg.seq_len)?.loss(&scores, r, &ctx, &token_group)?)
+                }
+                (Some(_), None) => bail!("train: a reward model trains on preference rows (packed documents)"),
+                (None, _) => None,
+            };
             let (nll, sq) = match (&docs, stat) {
+                _ if reward_loss.is_some() => (Tensor::zeros(ids_d.dims(), candle_core::DType::F32, &dev)?, None),
                 (Some(_), Some(st)) => {
                     let (n, q) = model.token_nll_packed_stat(&ids_d, &labels_d, &pos_d, &sb.documents, st)?;
                     (n, Some(q))
@@ -517,6 +539,13 @@ pub fn train_rank(
             // the linearised sum `Σ w_t·nll_t` — far larger than the loss where the weights are,
             // as under an α-divergence without a reference — to float32's precision)
             let (loss, mut exact) = match (&mut dpo, &grpo) {
+                _ if reward_loss.is_some() => match reward_loss {
+                    Some((l, t)) => {
+                        (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin);
+                        (l, Some(t.loss))
+                    }
+                    None => bail!("train: internal error (reward loss)"),
+                },
                 // (GRPO: the completions' tokens, marked, weighted by their advantages and
                 // clipped ratios)
                 (None, Some(g)) => {
@@ -647,6 +676,11 @@ pub fn train_rank(
                 eval_reward = grpo.as_ref().map(|g| g.evaluate(&model, &ctx)).transpose()?.flatten();
                 (None, None, None)
             }
+            Some(e) if e.due(step + 1, cfg.steps) && cfg.reward.is_some() => {
+                param_gather.finish()?;
+                let t = super::reward::evaluate_run(&model, cfg, e, &ctx, &dev)?;
+                (Some(t.loss), None, Some(t.accuracy))
+            }
             Some(e) if e.due(step + 1, cfg.steps) => {
                 param_gather.finish()?;
                 model.set_lora_dropout(None)?;
@@ -657,7 +691,8 @@ pub fn train_rank(
         let row = StepMetrics {
             step: step + 1,
             train_loss: objective * inv_accum,
-            loss: tot[0] / tot[1].max(1.0),
+            // (a reward model's: its pairs' loss; no per-token loss)
+            loss: if cfg.reward.is_some() { objective * inv_accum } else { tot[0] / tot[1].max(1.0) },
             long_range_loss: if tot[3] > 0.0 {
                 Some(tot[2] / tot[3])
             } else {
@@ -673,8 +708,8 @@ pub fn train_rank(
             expert_counts,
             eval_loss,
             eval_long_range_loss,
-            dpo_accuracy: dpo.as_ref().map(|_| dpo_sums[0] * inv_accum),
-            dpo_margin: dpo.as_ref().map(|_| dpo_sums[1] * inv_accum),
+            dpo_accuracy: (dpo.is_some() || cfg.reward.is_some()).then(|| dpo_sums[0] * inv_accum),
+            dpo_margin: (dpo.is_some() || cfg.reward.is_some()).then(|| dpo_sums[1] * inv_accum),
             kto_kl: dpo.as_ref().filter(|d| d.cfg.loss == super::DpoLoss::Kto).map(|_| dpo_sums[2] * inv_accum),
             bco_delta: dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running.mean),
             grpo_reward: grpo.as_ref().map(|_| grpo_sums[0] / grpo_sums[2].max(1.0)),
@@ -766,3 +801,7 @@ mod kto_tests;
 #[cfg(test)]
 #[path = "trainer_bco_tests.rs"]
 mod bco_tests;
+
+#[cfg(test)]
+#[path = "trainer_reward_tests.rs"]
+mod reward_tests;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 /// A DPO run of `steps` on `layout`: 16 byte-level pairs (`dpo_tests::pairs_text`), rows of
 /// 96 tokens, β 0.5.
-fn dpo_cfg(out: Option<PathBuf>, layout: Layout, steps: usize) -> Result<TrainConfig> {
+pub(super) fn dpo_cfg(out: Option<PathBuf>, layout: Layout, steps: usize) -> Result<TrainConfig> {
     let set = PreferenceSet::read(&crate::train::dpo::tests::pairs_text(16, 11), &crate::train::sft::bytes_of, Some(2), None)?;
     let mut c = tiny_cfg(out, layout, 2, 1);
     (c.data, c.model, c.seq_len, c.steps) = (DataSource::Preference(set), ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), 96, steps);
@@ -48,7 +48,7 @@ fn dpo_starts_at_ln2_learns_and_matches_on_every_layout() -> Result<()> {
 /// `want` (a single-device run's steps) against the same run on zigzag CP 2, ring CP 2 × DP 2
 /// and TP 2 + SP (`cfg` of each layout): the curve ([`assert_same_curve`]), the objective to
 /// 1e-5 and the held-out loss where evaluated.
-fn follows_on_layouts(what: &str, want: &[&StepMetrics], cfg: impl Fn(Layout) -> Result<TrainConfig>) -> Result<()> {
+pub(super) fn follows_on_layouts(what: &str, want: &[&StepMetrics], cfg: impl Fn(Layout) -> Result<TrainConfig>) -> Result<()> {
     for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
         let other = run(&cfg(layout)?)?;
         assert_same_curve(&layout.to_string(), want, &other[0].metrics);

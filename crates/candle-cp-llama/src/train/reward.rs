@@ -1,0 +1,251 @@
+//! Reward-model training (TRL's `RewardTrainer`, the Bradley–Terry objective of InstructGPT)
+//! on preference pairs, on every layout: a reward model ([`crate::reward`]) scores each answer
+//! document `prompt ++ answer` at its last token, and per pair
+//!
+//! ```text
+//! loss = mean over pairs of −log σ(r_chosen − r_rejected)
+//!        + c · mean over pairs of (r_chosen + r_rejected)²          (c: center_rewards_coefficient)
+//! ```
+//!
+//! The pairs are packed whole as DPO's ([`super::preference`]); a document's last token lies on
+//! one rank, which reads its reward, and the rewards are summed over the ranks holding distinct
+//! tokens (one small all-gather per micro-batch). Each rank back-propagates the linearised loss
+//! `Σ w_d · r_d` over the documents ending among its tokens, `w_d = ∂loss/∂r_d`, whose
+//! gradients, summed over the ranks as the trainer sums every loss's, are exactly the loss's.
+
+use super::dpo::sum_over;
+use super::preference::PreferenceRow;
+use super::preference::PreferenceSet;
+use crate::{shard_batch, shard_batch_packed, Llama, ParallelCtx};
+use candle_cp_ops::packing::Documents;
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_cp_comm::Group;
+
+/// A reward-model run's settings ([`super::TrainConfig::reward`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RewardConfig {
+    /// TRL's `center_rewards_coefficient`: the weight of the mean squared sum of each pair's
+    /// rewards (Eisenstein et al. 2023), which keeps the rewards centred on 0; 0: none.
+    pub center_rewards_coefficient: f64,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        Self { center_rewards_coefficient: 0.0 }
+    }
+}
+
+impl RewardConfig {
+    /// Errors for a coefficient that is negative or not a number.
+    pub fn validate(&self) -> Result<()> {
+        let c = self.center_rewards_coefficient;
+        if !(c >= 0.0 && c.is_finite()) {
+            bail!("reward: center_rewards_coefficient must be a finite number >= 0, got {c}")
+        }
+        Ok(())
+    }
+}
+
+/// The loss of a batch of pairs and what it reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RewardTerms {
+    /// The mean loss over the pairs (with the centring term).
+    pub loss: f64,
+    /// Fraction of pairs whose chosen answer's reward exceeds the rejected one's.
+    pub accuracy: f64,
+    /// Mean `r_chosen − r_rejected`.
+    pub margin: f64,
+    /// `∂loss / ∂r` per reward, in the order given.
+    pub d_reward: Vec<f64>,
+}
+
+/// `−log σ(x)`, stable for large `|x|`.
+fn softplus_neg(x: f64) -> f64 {
+    if x > 0.0 { (-x).exp().ln_1p() } else { -x + x.exp().ln_1p() }
+}
+
+/// `σ(x)`, stable for large `|x|`.
+fn sigmoid(x: f64) -> f64 {
+    if x >= 0.0 { 1.0 / (1.0 + (-x).exp()) } else { x.exp() / (1.0 + x.exp()) }
+}
+
+/// The loss over `pairs` (indices of the chosen and the rejected answer into `rewards`) and its
+/// derivatives. Errors for an index out of range.
+pub fn reward_terms(rewards: &[f64], pairs: &[(usize, usize)], cfg: &RewardConfig) -> Result<RewardTerms> {
+    if let Some(&(c, r)) = pairs.iter().find(|&&(c, r)| c.max(r) >= rewards.len()) {
+        bail!("reward_terms: answer {} of {} rewards", c.max(r), rewards.len())
+    }
+    let n = pairs.len().max(1) as f64;
+    let coef = cfg.center_rewards_coefficient;
+    let mut t = RewardTerms { loss: 0.0, accuracy: 0.0, margin: 0.0, d_reward: vec![0.0; rewards.len()] };
+    for &(c, r) in pairs {
+        let (rc, rr) = (rewards[c], rewards[r]);
+        let z = rc - rr;
+        let sum = rc + rr;
+        t.loss += (softplus_neg(z) + coef * sum * sum) / n;
+        t.accuracy += (z > 0.0) as u8 as f64 / n;
+        t.margin += z / n;
+        // d/dz of −log σ(z) is −σ(−z)
+        let g = -sigmoid(-z) / n;
+        t.d_reward[c] += g + 2.0 * coef * sum / n;
+        t.d_reward[r] += -g + 2.0 * coef * sum / n;
+    }
+    Ok(t)
+}
+
+/// One micro-batch of preference rows as a reward model reads it: per token of the global
+/// rows `[B, T]`, `slot + 1` at an answer document's last token (0 elsewhere), and each
+/// slot's answer index in the set (`2·p` chosen, `2·p + 1` rejected).
+pub(crate) struct RewardBatch {
+    ids: Tensor,
+    documents: Vec<Documents>,
+    ends: Tensor,
+    answers: Vec<usize>,
+}
+
+impl RewardBatch {
+    /// From sampled rows (all `seq_len` long, with their documents).
+    pub(crate) fn new(rows: &[PreferenceRow], seq_len: usize) -> Result<Self> {
+        let (mut docs, mut ids) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len() * seq_len));
+        for (sample, _) in rows {
+            if sample.tokens.len() != seq_len {
+                bail!("reward: a preference row of {} tokens, rows are {seq_len}", sample.tokens.len())
+            }
+            docs.push(sample.documents.clone().ok_or_else(|| candle_core::Error::Msg("reward: a preference row without documents".into()))?);
+            ids.extend_from_slice(&sample.tokens);
+        }
+        let mut answers = Vec::new();
+        let ends = crate::reward::document_ends(&docs, seq_len, |b, d| {
+            let a = rows[b].1.get(d).copied().flatten()?;
+            answers.push(a);
+            Some(answers.len() as u32 - 1)
+        })?;
+        Ok(Self { ids: Tensor::from_vec(ids, (rows.len(), seq_len), &Device::Cpu)?, documents: docs, ends, answers })
+    }
+
+    /// The answers' rewards, by slot, from this rank's scores `[B_local, Ts, 1]` (f32, as
+    /// [`crate::Llama::scores_packed`] gives them for the shard of the batch's rows), summed
+    /// over `group` (the ranks holding distinct tokens); with each local token's slot + 1.
+    fn rewards(&self, scores: &Tensor, ctx: &ParallelCtx, group: &Group) -> Result<(Vec<f64>, Vec<u32>)> {
+        let ends: Vec<u32> = shard_batch(&self.ends, ctx)?.input_ids.flatten_all()?.to_vec1()?;
+        let dims = scores.dims().to_vec();
+        if dims.len() != 3 || dims[2] != 1 || dims[0] * dims[1] != ends.len() {
+            bail!("reward: scores {dims:?} for a shard of {} tokens: a reward model of one label scores [B, Ts, 1]", ends.len())
+        }
+        let s: Vec<f32> = scores.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
+        let mut part = vec![0f64; self.answers.len()];
+        for (i, &e) in ends.iter().enumerate() {
+            if e > 0 {
+                part[e as usize - 1] += s[i] as f64;
+            }
+        }
+        Ok((sum_over(&part, group)?, ends))
+    }
+
+    /// Every answer's reward under `model`, by slot: a forward of the batch on the run's
+    /// layout, no graph kept (a held-out evaluation). Collective over the world.
+    pub(crate) fn forward_rewards(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+        let sb = shard_batch_packed(&self.ids, &self.documents, ctx)?;
+        let (ids, pos) = (sb.input_ids.to_device(dev)?, sb.positions.to_device(dev)?);
+        let scores = model.scores_packed(&ids, &pos, &sb.documents)?.detach();
+        Ok(self.rewards(&scores, ctx, &ctx.token_group())?.0)
+    }
+
+    /// The pairs' loss: the node to back-propagate (`Σ w_d · r_d` over the documents ending
+    /// among this rank's tokens) and its terms over the whole batch. `scores` this rank's
+    /// (differentiable), `group` the ranks holding distinct tokens. Collective over `group`.
+    pub(crate) fn loss(&self, scores: &Tensor, cfg: &RewardConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, RewardTerms)> {
+        let (rewards, ends) = self.rewards(scores, ctx, group)?;
+        // (slot pairs: each chosen answer 2·p with its rejected 2·p + 1)
+        let slot_of: std::collections::HashMap<usize, usize> = self.answers.iter().enumerate().map(|(s, &a)| (a, s)).collect();
+        let mut pairs = Vec::new();
+        for (s, &a) in self.answers.iter().enumerate() {
+            if a % 2 == 0 {
+                match slot_of.get(&(a + 1)) {
+                    Some(&r) => pairs.push((s, r)),
+                    None => bail!("reward: pair {}'s rejected answer is not in the micro-batch (rows pack whole pairs)", a / 2),
+                }
+            }
+        }
+        let t = reward_terms(&rewards, &pairs, cfg)?;
+        let w: Vec<f32> = ends.iter().map(|&e| if e > 0 { t.d_reward[e as usize - 1] as f32 } else { 0.0 }).collect();
+        let w = Tensor::from_vec(w, scores.shape(), scores.device())?;
+        Ok(((scores * w)?.sum_all()?, t))
+    }
+}
+
+/// Every answer's reward under reward model `model` (document `2·p` pair `p`'s chosen answer,
+/// `2·p + 1` its rejected one), the pairs in order, `batch` rows of `seq_len` per forward (the
+/// last batch padded with empty rows), on the run's layout; the same on every rank.
+/// Collective over the world.
+pub fn answer_rewards(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+    if set.desirable().is_some() {
+        bail!("reward: the examples are unpaired (KTO's); a reward model trains on preference pairs")
+    }
+    let mut rows = set.in_order(seq_len)?;
+    while !rows.len().is_multiple_of(batch.max(1)) {
+        let s = super::Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(Documents::single(seq_len)?) };
+        rows.push((s, vec![None]));
+    }
+    let mut out = vec![f64::NAN; 2 * set.len()];
+    for chunk in rows.chunks(batch.max(1)) {
+        let b = RewardBatch::new(chunk, seq_len)?;
+        for (slot, r) in b.forward_rewards(model, ctx, dev)?.into_iter().enumerate() {
+            out[b.answers[slot]] = r;
+        }
+    }
+    if let Some(a) = out.iter().position(|x| !x.is_finite()) {
+        bail!("reward: answer {a} has no finite reward (not scored, or the model diverged)")
+    }
+    Ok(out)
+}
+
+/// [`reward_terms`] of every held-out pair of `set` under `model` (a run's evaluation: its
+/// loss and accuracy). Collective over the world.
+pub fn evaluate_pairs(model: &Llama, set: &PreferenceSet, cfg: &RewardConfig, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<RewardTerms> {
+    model.set_lora_dropout(None)?;
+    let rewards = answer_rewards(model, set, batch, seq_len, ctx, dev)?;
+    let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
+    reward_terms(&rewards, &pairs, cfg)
+}
+
+/// The run's checks for a reward model (before the first step): the objective alone (no DPO,
+/// GRPO or LoRA), preference pairs, a model of one label; and a reward model trains by nothing
+/// else.
+pub(crate) fn check_run(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig) -> Result<()> {
+    let Some(r) = &cfg.reward else {
+        if let Some(n) = mcfg.num_labels {
+            bail!("train: the model is a reward model ({}, {n} label(s)): train it with reward (--reward-model)", mcfg.arch().hf_class(Some(n)))
+        }
+        return Ok(());
+    };
+    r.validate()?;
+    if cfg.dpo.is_some() || cfg.grpo.is_some() || cfg.lora.is_some() || cfg.quantize_base.is_some() {
+        bail!("train: reward modelling trains every weight by its own loss: not with dpo, grpo, lora or quantize_base")
+    }
+    match &cfg.data {
+        super::DataSource::Preference(s) if s.desirable().is_none() => {}
+        _ => bail!("train: a reward model trains on preference pairs (DataSource::Preference of pairs)"),
+    }
+    if let Some(e) = &cfg.eval {
+        if !matches!(&e.data, super::DataSource::Preference(s) if s.desirable().is_none()) {
+            bail!("train: a reward model's held-out data must be preference pairs")
+        }
+    }
+    match mcfg.num_labels {
+        Some(1) => Ok(()),
+        n => bail!("train: the pairs' loss reads one reward per answer: the model has {n:?} label(s)"),
+    }
+}
+
+/// A reward run's held-out evaluation: [`evaluate_pairs`] over the evaluation's pairs.
+pub(crate) fn evaluate_run(model: &Llama, cfg: &super::TrainConfig, eval: &super::EvalConfig, ctx: &ParallelCtx, dev: &Device) -> Result<RewardTerms> {
+    match (&eval.data, &cfg.reward) {
+        (super::DataSource::Preference(set), Some(r)) => evaluate_pairs(model, set, r, cfg.batch, cfg.seq_len, ctx, dev),
+        _ => bail!("train: a reward model evaluates on held-out preference pairs"),
+    }
+}
+
+#[cfg(test)]
+#[path = "reward_tests.rs"]
+mod tests;
