@@ -188,6 +188,16 @@ pub(crate) struct Args {
     /// --ref-model as DPO's.
     #[arg(long)]
     pub(crate) bco: bool,
+    /// Train a reward model (TRL's RewardTrainer) on preference pairs (--data as --dpo's): the
+    /// model gets a score head (a causal LM's drawn, its LM head left unread) read at each
+    /// answer's last token, the loss −log σ(r_chosen − r_rejected); checkpoints are
+    /// `*ForSequenceClassification` models.
+    #[arg(long)]
+    pub(crate) reward_model: bool,
+    /// --reward-model's centring term: this times the mean squared sum of each pair's rewards
+    /// (TRL's center_rewards_coefficient; 0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) center_rewards_coefficient: f64,
     /// KTO's weight of a desirable example's loss (λ_D).
     #[arg(long, default_value_t = 1.0)]
     pub(crate) desirable_weight: f64,
@@ -469,9 +479,9 @@ pub(crate) struct Args {
 }
 
 impl Args {
-    /// Whether the run trains on preference data (--dpo, --kto or --bco).
+    /// Whether the run trains on preference data (--dpo, --kto, --bco or --reward-model).
     pub(crate) fn preference(&self) -> bool {
-        self.dpo || self.unpaired()
+        self.dpo || self.unpaired() || self.reward_model
     }
 
     /// Whether the run trains on unpaired examples (--kto or --bco).
@@ -485,6 +495,8 @@ impl Args {
             "--kto"
         } else if self.bco {
             "--bco"
+        } else if self.reward_model {
+            "--reward-model"
         } else {
             "--dpo"
         }
@@ -548,8 +560,11 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.grpo.grpo && (a.data.is_none() || a.sft || a.preference() || a.pack_docs) {
         bail!("--grpo samples completions of the prompts of --data FILE.jsonl (prompt / completion examples): without --sft, --dpo, --kto, --bco or --pack-docs")
     }
-    if [a.dpo, a.kto, a.bco].iter().filter(|&&x| x).count() > 1 {
-        bail!("--dpo, --kto and --bco are objectives: give one")
+    if [a.dpo, a.kto, a.bco, a.reward_model].iter().filter(|&&x| x).count() > 1 {
+        bail!("--dpo, --kto, --bco and --reward-model are objectives: give one")
+    }
+    if !a.reward_model && a.center_rewards_coefficient != 0.0 {
+        bail!("--center-rewards-coefficient is --reward-model's: add it")
     }
     let flag = a.objective_flag();
     if a.preference() && (a.sft || a.pack_docs) {
@@ -648,6 +663,7 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
             (true, _) if a.bco || a.dpo_loss == "apo_zero_unpaired" => PreferenceSet::read_unpaired(text, tokenize, eos, chat).and_then(PreferenceSet::without_kl_documents).map(DataSource::Preference),
             (true, _) => PreferenceSet::read_unpaired(text, tokenize, eos, chat).map(DataSource::Preference),
             (false, true) => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
+            (false, false) if a.reward_model => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
             (false, false) if a.grpo.grpo => candle_cp_llama::train::sft::read_sft(text, tokenize, eos, chat).and_then(candle_cp_llama::train::grpo::PromptSet::from_marked).map(DataSource::Prompts),
             (false, false) => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),
         };

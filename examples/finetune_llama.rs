@@ -8,6 +8,7 @@
 //! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
 //! cargo run --release --example finetune_llama -- --data sft.jsonl --sft --tokenizer tok.json --model DIR  # prompt / completion
 //! cargo run --release --example finetune_llama -- --data pairs.jsonl --dpo --beta 0.1 --model DIR --lora 16,32  # preference pairs
+//! cargo run --release --example finetune_llama -- --data pairs.jsonl --reward-model --model DIR --cp 2  # a reward model on the same pairs
 //! cargo run --release --example finetune_llama -- --data examples.jsonl --kto --beta 0.1 --model DIR  # unpaired examples, labelled
 //! cargo run --release --example finetune_llama -- --data examples.jsonl --bco --model DIR     # the same by BCO
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
@@ -260,7 +261,8 @@ fn main() -> Result<()> {
         zero1: a.zero1,
         zero2: a.zero2,
         long_range_only,
-        dpo: match a.preference() {
+        reward: a.reward_model.then_some(candle_cp_llama::train::RewardConfig { center_rewards_coefficient: a.center_rewards_coefficient }),
+        dpo: match a.preference() && !a.reward_model {
             true => Some(candle_cp_llama::train::DpoConfig {
                 beta: a.beta,
                 label_smoothing: a.dpo_label_smoothing,
@@ -339,6 +341,9 @@ fn main() -> Result<()> {
     if let Some(d) = &cfg.dpo {
         d.validate()?;
     }
+    if let Some(r) = &cfg.reward {
+        r.validate()?;
+    }
     let world = layout.world_size();
     let launch = Launch::from_args(&a, world, cuda)?;
     let quiet = launch.quiet();
@@ -365,7 +370,7 @@ fn main() -> Result<()> {
             ),
         };
         match &e.data {
-            DataSource::Preference(_) => say!("eval     : every {} steps, {} loss and reward accuracy over all {what}", e.every, if a.kto { "KTO" } else if a.bco { "BCO" } else { "DPO" }),
+            DataSource::Preference(_) => say!("eval     : every {} steps, {} loss and reward accuracy over all {what}", e.every, if a.kto { "KTO" } else if a.bco { "BCO" } else if a.reward_model { "pair" } else { "DPO" }),
             DataSource::Prompts(_) => say!("eval     : every {} steps, the mean reward of a greedy completion of each of the {what}", e.every),
             _ => say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch),
         }
@@ -424,6 +429,8 @@ fn main() -> Result<()> {
             g.stop.first().map_or(String::new(), |e| format!(" (ending at {e})")),
             a.grpo.reward
         );
+    } else if let Some(r) = &cfg.reward {
+        say!("objective: reward model (score head at each answer's last token), -log sigmoid(r_chosen - r_rejected){}", if r.center_rewards_coefficient > 0.0 { format!(" + {} x (r_chosen + r_rejected)^2", r.center_rewards_coefficient) } else { String::new() });
     } else if let Some(d) = &cfg.dpo {
         say!(
             "objective: DPO ({}), beta {}{}{}{}, {}",
@@ -628,7 +635,7 @@ fn main() -> Result<()> {
     };
     println!(
         "model    : {} {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {}{window})",
-        c.arch().hf_names().0,
+        c.arch().hf_class(c.num_labels),
         o.n_params,
         c.hidden_size,
         c.num_hidden_layers,
@@ -655,7 +662,11 @@ fn main() -> Result<()> {
             a.quantize_base.as_deref().map(|q| format!(" (projections quantized: {q})")).unwrap_or_default()
         );
     }
-    if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
+    if let (Some(first), Some(last), true) = (o.metrics.first(), o.metrics.last(), a.reward_model) {
+        // (a reward model: its pairs' loss and accuracy, no per-token loss)
+        let acc = |m: &candle_cp_llama::train::StepMetrics| m.dpo_accuracy.map_or("-".to_string(), |x| format!("{x:.2}"));
+        println!("summary  : steps {}..{}  pair loss {:.3} -> {:.3}  accuracy {} -> {}", first.step, last.step, first.train_loss, last.train_loss, acc(first), acc(last));
+    } else if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(
             "summary  : steps {}..{}  loss {:.3} -> {:.3}  {marked} loss {} -> {}  (all-target loss {:.3} -> {:.3})",

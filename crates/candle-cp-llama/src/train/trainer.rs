@@ -693,7 +693,7 @@ pub fn train_rank(
             train_loss: objective * inv_accum,
             // (a reward model's: its pairs' loss; no per-token loss)
             loss: if cfg.reward.is_some() { objective * inv_accum } else { tot[0] / tot[1].max(1.0) },
-            long_range_loss: if tot[3] > 0.0 {
+            long_range_loss: if tot[3] > 0.0 && cfg.reward.is_none() {
                 Some(tot[2] / tot[3])
             } else {
                 None
