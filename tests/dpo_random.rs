@@ -12,7 +12,9 @@
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
-//! refuses must be refused for a reason the draw explains.
+//! refuses must be refused for a reason the draw explains. Reward models (a score head on the
+//! same pairs, the Bradley–Terry loss with or without TRL's centring term) are drawn the same
+//! way and held to the same bounds.
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::Result;
@@ -20,7 +22,7 @@ use candle_cp_llama::layout::Layout;
 use candle_cp_llama::train::sft::bytes_of;
 use candle_cp_llama::train::dpo::RefSync;
 use candle_cp_llama::train::dpo_loss::FDivergence;
-use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, Rng, TrainConfig};
+use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, RewardConfig, Rng, TrainConfig};
 use candle_cp_llama::LlamaConfig;
 use candle_cp_tests::draws::{pick, rng, seeds};
 use candle_cp_tests::train_draws::{assert_explained, draw_run, run};
@@ -140,6 +142,49 @@ fn random_dpo_runs_follow_one_device() -> Result<()> {
         checked += 1;
     }
     println!("{checked} DPO configurations checked against one device, {refused} refused");
+    assert!(checked > 0, "every draw refused");
+    Ok(())
+}
+
+#[test]
+fn random_reward_model_runs_follow_one_device() -> Result<()> {
+    let (mut checked, mut refused) = (0, 0);
+    for seed in seeds(CONFIGS)? {
+        let mut d = rng(78_000 + seed);
+        let (layout, batch, grad_accum, opts) = draw_run(&mut d);
+        let reward = RewardConfig { center_rewards_coefficient: pick(&mut d, &[0.0, 0.01]) };
+        let model = LlamaConfig::tiny(128, 32, pick(&mut d, &[1, 2]), 4, 2);
+        let base = |layout: Layout| -> Result<TrainConfig> {
+            let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Preference(pairs(seed, DpoLoss::Sigmoid)?), 64, 3);
+            (c.batch, c.grad_accum, c.seed, c.reward) = (batch, grad_accum, seed, Some(reward));
+            c.schedule.peak = 5e-3;
+            c.adamw.eps = 1e-6;
+            Ok(c)
+        };
+        let mut cfg = base(layout)?;
+        opts.apply(&mut cfg);
+        let what = format!("seed {seed}: {layout}, batch {batch} x {grad_accum}, {opts:?}, {reward:?}");
+        let got = match run(&cfg) {
+            Ok(g) => g,
+            Err(e) => {
+                assert_explained(&what, &e);
+                refused += 1;
+                continue;
+            }
+        };
+        let want = run(&base(Layout::single())?)?;
+        let want = &want[0].metrics;
+        for (r, out) in got.iter().enumerate() {
+            for (a, b) in want.iter().zip(&out.metrics) {
+                let k = if a.step == 1 { 1.0 } else { 10.0 };
+                assert!((a.train_loss - b.train_loss).abs() < 1e-5 * k * a.train_loss.abs().max(1.0), "{what}, rank {r} step {}: objective {} vs {}", a.step, b.train_loss, a.train_loss);
+                assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * k * a.grad_norm.max(1.0), "{what}, rank {r} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
+                assert_eq!((a.dpo_accuracy, out.config.num_labels), (b.dpo_accuracy, Some(1)), "{what}, rank {r} step {}", a.step);
+            }
+        }
+        checked += 1;
+    }
+    println!("{checked} reward-model configurations checked against one device, {refused} refused");
     assert!(checked > 0, "every draw refused");
     Ok(())
 }
