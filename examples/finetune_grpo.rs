@@ -93,8 +93,9 @@ pub(crate) struct GrpoArgs {
     pub(crate) sapo_temperatures: Vec<f64>,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0), tokens (the fraction of positions that match), finished (1 when the completion
-    /// ends with the end-of-sequence id) or command (--reward-command's); several, comma
-    /// separated, summed (--reward-weights).
+    /// ends with the end-of-sequence id), command (--reward-command's) or model
+    /// (--reward-model-dir's score of the prompt and completion); several, comma separated,
+    /// summed (--reward-weights).
     #[arg(long, default_value = "tokens")]
     pub(crate) reward: String,
     /// The weights of a --reward list, comma separated (default: 1 each).
@@ -105,6 +106,11 @@ pub(crate) struct GrpoArgs {
     /// --tokenizer or byte-level), and prints one number per line, the completion's reward.
     #[arg(long, value_name = "CMD")]
     pub(crate) reward_command: Option<String>,
+    /// The reward model of `--reward model`: a `*ForSequenceClassification` checkpoint of one
+    /// label sharing the policy's tokenizer (e.g. a `finetune_llama --reward-model` checkpoint),
+    /// loaded frozen on the run's layout; it scores each prompt ++ completion at its last token.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) reward_model_dir: Option<std::path::PathBuf>,
     /// Seconds --reward-command may take to answer one completion.
     #[arg(long, default_value_t = 60)]
     pub(crate) reward_timeout: u64,
@@ -124,6 +130,15 @@ impl GrpoArgs {
         if weights.len() != names.len() {
             bail!("--reward-weights gives {} weights for the {} rewards of --reward {}", weights.len(), names.len(), self.reward)
         }
+        // (the reward model's weight; its scores come from the run, not a function)
+        let model_weight = names.iter().zip(&weights).filter(|(n, _)| **n == "model").map(|(_, w)| *w).sum::<f64>();
+        let reward_model = match (names.contains(&"model"), &self.reward_model_dir) {
+            (true, Some(dir)) => Some(candle_cp_llama::train::reward::RewardModelSpec { dir: dir.clone(), weight: model_weight }),
+            (true, None) => bail!("--reward model needs --reward-model-dir DIR"),
+            (false, Some(_)) => bail!("--reward-model-dir is the reward `model`: name it in --reward"),
+            (false, None) => None,
+        };
+        let zero: candle_cp_llama::train::grpo::RewardFn = std::sync::Arc::new(|_, _, _| Ok(0.0));
         let parts = names
             .iter()
             .zip(weights)
@@ -136,7 +151,9 @@ impl GrpoArgs {
                         let Some(cmd) = &self.reward_command else { bail!("--reward command needs --reward-command CMD") };
                         rewards::command("sh", &["-c".into(), cmd.clone()], decoder(tokenizer)?, std::time::Duration::from_secs(self.reward_timeout))?
                     }
-                    r => bail!("--reward {r}: expected exact, tokens, finished or command"),
+                    // (a function's zero in its place: the model's scores are added by the run)
+                    "model" => zero.clone(),
+                    r => bail!("--reward {r}: expected exact, tokens, finished, command or model"),
                 };
                 Ok((r, w))
             })
@@ -157,6 +174,7 @@ impl GrpoArgs {
             loss_type: self.grpo_loss.parse::<GrpoLoss>()?,
             scale_rewards: self.scale_rewards.parse::<ScaleRewards>()?,
             reward,
+            reward_model,
             beta: self.grpo_beta,
             mask_truncated_completions: self.mask_truncated_completions,
             num_iterations: self.num_iterations,

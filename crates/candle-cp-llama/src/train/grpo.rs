@@ -218,6 +218,9 @@ pub struct GrpoConfig {
     pub scale_rewards: ScaleRewards,
     /// The reward of a completion.
     pub reward: RewardFn,
+    /// A reward model's weighted score of each `prompt ++ completion`, added to
+    /// [`GrpoConfig::reward`]'s ([`super::reward::RewardModelSpec`]); `None`: none.
+    pub reward_model: Option<super::reward::RewardModelSpec>,
     /// The KL term's weight β (TRL's `beta`, 0: none, no reference kept; DeepSeekMath 0.04).
     pub beta: f64,
     /// Leave out of the loss (and of the token counts) the completions that reached
@@ -277,6 +280,7 @@ impl GrpoConfig {
             loss_type: GrpoLoss::Grpo,
             scale_rewards: ScaleRewards::Group,
             reward,
+            reward_model: None,
             beta: 0.0,
             mask_truncated_completions: false,
             num_iterations: 1,
@@ -302,6 +306,7 @@ impl std::fmt::Debug for GrpoConfig {
             .field("stop", &self.stop)
             .field("loss_type", &self.loss_type)
             .field("scale_rewards", &self.scale_rewards)
+            .field("reward_model", &self.reward_model)
             .field("beta", &self.beta)
             .field("mask_truncated_completions", &self.mask_truncated_completions)
             .field("num_iterations", &self.num_iterations)

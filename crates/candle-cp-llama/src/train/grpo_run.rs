@@ -275,6 +275,8 @@ pub(crate) struct GrpoRun {
     pub eval: Option<PromptSet>,
     /// The latest generation's completions (`None` before the first).
     pub kept: Option<Kept>,
+    /// The reward model ([`GrpoConfig::reward_model`]), frozen on the run's layout.
+    pub reward_model: Option<super::reward::RunRewardModel>,
 }
 
 impl GrpoRun {
@@ -299,7 +301,7 @@ impl GrpoRun {
     /// forward of `model` over their rows now (on `dev`). Collective over the world.
     pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, (ctx, dev): (&ParallelCtx, &Device)) -> Result<()> {
         let s = self.cfg.steps_per_generation;
-        let mut r = super::grpo_sample::rollouts(model, &self.cfg, &self.set, cfg.seed, (step, s * cfg.grad_accum), (cfg.batch, cfg.seq_len))?;
+        let mut r = super::grpo_sample::rollouts(model, &self.cfg, &self.set, cfg.seed, (step, s * cfg.grad_accum), (cfg.batch, cfg.seq_len), self.reward_model.as_ref())?;
         // (every rank must weigh the same rewards: a reward function that is not a function of
         // its completion would part them silently)
         let all: Vec<f64> = r.iter().flat_map(|x| x.rewards.iter().copied()).collect();
@@ -424,8 +426,12 @@ impl GrpoRun {
                 rows.push(rows[rows.len() - 1].clone());
             }
             let out = model.generate_ragged(&rows, self.cfg.max_completion_length, crate::sampling::Sampling::Greedy, &self.cfg.stop)?;
-            for ((prompt, answer), completion) in held.iter().zip(&out.tokens) {
-                total += (self.cfg.reward)(prompt, completion, answer)?;
+            let scored = match &self.reward_model {
+                Some(m) => m.rewards(&held.iter().zip(&out.tokens).map(|((p, _), c)| (*p, c.as_slice())).collect::<Vec<_>>())?,
+                None => vec![0.0; held.len()],
+            };
+            for (((prompt, answer), completion), s) in held.iter().zip(&out.tokens).zip(scored) {
+                total += (self.cfg.reward)(prompt, completion, answer)? + s;
             }
         }
         Ok(Some(total / set.len().max(1) as f64))
@@ -494,7 +500,8 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
         }
     };
     let kept = resume_dir.map(|d| GrpoRun::resumed(d, g, cfg)).transpose()?.flatten();
-    Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference, eval, kept }))
+    let reward_model = g.reward_model.as_ref().map(|spec| super::reward::RunRewardModel::load(spec, cfg, mcfg, ctx, dev)).transpose()?;
+    Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference, eval, kept, reward_model }))
 }
 
 #[cfg(test)]

@@ -89,7 +89,7 @@ fn one_micro(mcfg: &LlamaConfig, cfg: &GrpoConfig, set: &PromptSet, ctx: &Parall
         Ok((vm, m))
     };
     let ((vm, m), (_, other)) = (model(5)?, model(6)?);
-    let mut step = [super::super::grpo_sample::rollouts(&m, cfg, set, 3, (0, 1), (2, 48))?.remove(0)];
+    let mut step = [super::super::grpo_sample::rollouts(&m, cfg, set, 3, (0, 1), (2, 48), None)?.remove(0)];
     super::super::grpo::weigh_step(&mut step, cfg)?;
     let [r] = step;
     let ids = Tensor::from_vec(r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect::<Vec<_>>(), (2, 48), &dev)?;
@@ -508,5 +508,64 @@ fn entropy_quantile_keeps_the_high_entropy_tokens() -> Result<()> {
     let (worst, kept) = out.into_iter().next().expect("one rank")?;
     assert!(worst < 1e-4, "gradients differ by {worst} relative");
     assert!((0.4..=0.6).contains(&kept), "about half the tokens train: {kept}");
+    Ok(())
+}
+
+/// A reward model as GRPO's reward (TRL's `reward_funcs` naming a sequence classifier): a
+/// drawn reward model of the policy's vocabulary, saved as a `LlamaForSequenceClassification`,
+/// scores each `prompt ++ completion` — packed into rows, each document as it scores alone —;
+/// with the reward functions giving 0, the run's rewards are the model's (weighted, spread)
+/// and zigzag CP 2 and TP 2 + SP × DP 2 follow the single device; a causal LM and a reward
+/// model of another vocabulary are refused by name.
+#[test]
+fn a_reward_model_rewards_completions() -> Result<()> {
+    use crate::train::reward::{score_documents, RewardModelSpec};
+    let dir = std::env::temp_dir().join(format!("cp-grpo-rm-{}", std::process::id()));
+    let rcfg = LlamaConfig::tiny(128, 32, 1, 2, 1).with_num_labels(Some(1));
+    crate::save_hf(dir.join("rm"), &init_params(&rcfg, 9, DType::F32, &Device::Cpu)?, &rcfg)?;
+    for r in run_ranks(1, |g| -> Result<()> {
+        let ctx = ParallelCtx::new(g, Layout::single())?;
+        let (vm, c) = crate::load_hf_sharded(dir.join("rm"), &ctx, &Device::Cpu, DType::F32)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &c, &ctx)?;
+        let docs: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![4, 5, 6, 7, 8], vec![9], vec![10, 11, 12, 13], vec![14, 15]];
+        let got = score_documents(&m, &docs, 2, 8, &Device::Cpu)?;
+        for (d, g) in docs.iter().zip(&got) {
+            let ids = Tensor::new(d.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+            let alone: Vec<f32> = m.scores(&ids, &Tensor::arange(0u32, d.len() as u32, &Device::Cpu)?)?.flatten_all()?.to_vec1()?;
+            assert!((alone[d.len() - 1] as f64 - g).abs() < 1e-5, "{d:?}: packed {g} vs alone {}", alone[d.len() - 1]);
+        }
+        assert!(score_documents(&m, &[vec![1; 9]], 2, 8, &Device::Cpu).unwrap_err().to_string().contains("rows hold 1..=8"));
+        Ok(())
+    }) {
+        r?;
+    }
+    let set = reverse_prompts(8, 2)?;
+    let zero: super::super::grpo::RewardFn = Arc::new(|_, _, _| Ok(0.0));
+    let with = |layout: Layout, spec: RewardModelSpec| -> TrainConfig {
+        let mut c = tiny_run(layout, DataSource::Prompts(set.clone()), 3, (2, 1));
+        c.grpo = Some(GrpoConfig { reward: zero.clone(), reward_model: Some(spec), ..grpo_cfg(ImportanceLevel::Token, 1) });
+        c
+    };
+    let spec = RewardModelSpec { dir: dir.join("rm"), weight: 2.0 };
+    let one = run(&with(Layout::single(), spec.clone()))?;
+    let m = &one[0].metrics;
+    assert!(m.iter().all(|s| s.grpo_reward.is_some_and(|r| r != 0.0) && s.grpo_zero_std == Some(0.0)), "{m:?}");
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true).with_dp(2)] {
+        let other = run(&with(layout, spec.clone()))?;
+        for (a, b) in m.iter().zip(&other[0].metrics) {
+            let (x, y) = (a.grpo_reward.unwrap_or(0.0), b.grpo_reward.unwrap_or(1.0));
+            assert!((x - y).abs() < 1e-5 * x.abs().max(1.0) && (a.train_loss - b.train_loss).abs() < 1e-5 && (a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "{layout} step {}: {a:?} vs {b:?}", a.step);
+        }
+    }
+    // refused: a causal LM; a reward model of another vocabulary
+    let lm = LlamaConfig::tiny(128, 32, 1, 2, 1);
+    crate::save_hf(dir.join("lm"), &init_params(&lm, 9, DType::F32, &Device::Cpu)?, &lm)?;
+    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("lm"), weight: 1.0 })).unwrap_err().to_string();
+    assert!(e.contains("is not a reward model"), "{e}");
+    let small = LlamaConfig::tiny(64, 32, 1, 2, 1).with_num_labels(Some(1));
+    crate::save_hf(dir.join("small"), &init_params(&small, 9, DType::F32, &Device::Cpu)?, &small)?;
+    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("small"), weight: 1.0 })).unwrap_err().to_string();
+    assert!(e.contains("must share its tokenizer"), "{e}");
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

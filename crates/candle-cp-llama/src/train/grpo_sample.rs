@@ -4,6 +4,7 @@
 //! micro-batch's rows.
 
 use super::grpo::{GrpoConfig, PromptSet, Rollout};
+use super::reward::RunRewardModel;
 use super::rng::Rng;
 use crate::sampling::Sampling;
 use crate::Llama;
@@ -14,8 +15,9 @@ type Group = (usize, Vec<Vec<u32>>, Vec<f64>);
 
 /// The groups of the prompts `picks` (`G` completions each) sampled by `model` as it is in one
 /// batch ([`Llama::generate_ragged`]; prompts of different lengths padded on the left) with
-/// the generator of (seed, step, round), rewarded. Collective over the world.
-fn sample_groups(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, picks: &[usize], seed: u64, (step, round): (usize, usize)) -> Result<Vec<Group>> {
+/// the generator of (seed, step, round), rewarded (by the reward functions, plus the reward
+/// model's weighted scores with `rm`). Collective over the world.
+fn sample_groups(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, picks: &[usize], seed: u64, (step, round): (usize, usize), rm: Option<&RunRewardModel>) -> Result<Vec<Group>> {
     let g = cfg.num_generations;
     let prompt = |i: usize| set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no prompt {i}")));
     let mut rows = Vec::with_capacity(picks.len() * g);
@@ -28,14 +30,26 @@ fn sample_groups(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, picks: &[usiz
         Sampling::Sample { temperature, top_k, top_p, seed: s } => Sampling::Sample { temperature, top_k, top_p, seed: Rng::derive(s ^ seed, &key).next_u64() },
         Sampling::Greedy => Sampling::Greedy,
     };
-    let mut out = model.generate_ragged(&rows, cfg.max_completion_length, sampling, &cfg.stop)?.tokens.into_iter();
+    let tokens = model.generate_ragged(&rows, cfg.max_completion_length, sampling, &cfg.stop)?.tokens;
+    // (the reward model's weighted scores of every row at once: one collective pass)
+    let scored = match rm {
+        Some(m) => {
+            if tokens.len() != rows.len() {
+                bail!("grpo: generation gave {} rows for the {} asked", tokens.len(), rows.len())
+            }
+            m.rewards(&rows.iter().zip(&tokens).map(|(p, c)| (p.as_slice(), c.as_slice())).collect::<Vec<_>>())?
+        }
+        None => vec![0.0; tokens.len()],
+    };
+    let mut scored = scored.into_iter();
+    let mut out = tokens.into_iter();
     let mut groups = Vec::with_capacity(picks.len());
     for (p, &i) in picks.iter().enumerate() {
         let (text, answer) = prompt(i)?;
         let (mut completions, mut rewards) = (Vec::with_capacity(g), Vec::with_capacity(g));
         for k in 0..g {
             let Some(completion) = out.next() else { bail!("grpo: generation gave fewer rows than the {} asked", rows.len()) };
-            let r = (cfg.reward)(text, &completion, answer).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward of completion {k} of prompt {i} (step {}, group {p}): {e}", step + 1)))?;
+            let r = (cfg.reward)(text, &completion, answer).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward of completion {k} of prompt {i} (step {}, group {p}): {e}", step + 1)))? + scored.next().unwrap_or(0.0);
             if !r.is_finite() {
                 bail!("grpo: the reward function gave {r} for completion {k} of prompt {i} (step {}, group {p}): rewards must be finite", step + 1)
             }
@@ -55,7 +69,7 @@ fn sample_groups(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, picks: &[usiz
 /// are set aside and newly drawn prompts sampled in their place (at most that many more
 /// batches), the batch filled with set-aside groups only when the rounds run out.
 /// Collective over the world (generation). Errors when they do not fit.
-pub(crate) fn rollouts(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u64, (step, micro_batches): (usize, usize), (batch, seq_len): (usize, usize)) -> Result<Vec<Rollout>> {
+pub(crate) fn rollouts(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u64, (step, micro_batches): (usize, usize), (batch, seq_len): (usize, usize), rm: Option<&RunRewardModel>) -> Result<Vec<Rollout>> {
     model.set_lora_dropout(None)?;
     let need = micro_batches * cfg.prompts;
     let mut picks: Vec<usize> = (0..micro_batches)
@@ -66,7 +80,7 @@ pub(crate) fn rollouts(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u
         .collect();
     let (mut kept, mut flat): (Vec<Group>, Vec<Group>) = (Vec::new(), Vec::new());
     for round in 0..=cfg.dynamic_sampling {
-        for group in sample_groups(model, cfg, set, &picks, seed, (step, round))? {
+        for group in sample_groups(model, cfg, set, &picks, seed, (step, round), rm)? {
             let spread = group.2.iter().any(|r| r.to_bits() != group.2[0].to_bits());
             if spread || cfg.dynamic_sampling == 0 {
                 kept.push(group);

@@ -155,7 +155,7 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let rvm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
         let reference = Llama::new(VarBuilder::from_varmap(&rvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
         let beta = 0.1;
-        let mut step = [crate::train::grpo_sample::rollouts(&m, &cfg, &set, 3, (0, 1), (2, 48))?.remove(0)];
+        let mut step = [crate::train::grpo_sample::rollouts(&m, &cfg, &set, 3, (0, 1), (2, 48), None)?.remove(0)];
         weigh_step(&mut step, &cfg)?;
         let [r] = step;
         assert_eq!((r.rows.len(), r.rewards.len()), (2, 8));

@@ -209,6 +209,105 @@ pub fn evaluate_pairs(model: &Llama, set: &PreferenceSet, cfg: &RewardConfig, ba
     reward_terms(&rewards, &pairs, cfg)
 }
 
+/// Every document's reward under reward model `model`, in order: the documents (each at most
+/// `seq_len` tokens) packed in order into rows of `seq_len` (each row's rest a padding
+/// document), `batch` rows per forward (a multiple of DP; the last forward filled with padding
+/// rows), on the model's layout; the same on every rank. Collective over the world.
+pub fn score_documents(model: &Llama, docs: &[Vec<u32>], batch: usize, seq_len: usize, dev: &Device) -> Result<Vec<f64>> {
+    let ctx = model.ctx();
+    if batch == 0 || !batch.is_multiple_of(ctx.layout.dp) {
+        bail!("score_documents: {batch} rows per forward over dp = {}", ctx.layout.dp)
+    }
+    let row = |tokens: Vec<u32>, mut lens: Vec<usize>, mut ids: Vec<Option<usize>>| -> Result<PreferenceRow> {
+        let used: usize = lens.iter().sum();
+        let mut tokens = tokens;
+        if used < seq_len {
+            tokens.resize(seq_len, 0);
+            lens.push(seq_len - used);
+            ids.push(None);
+        }
+        let s = super::Sample { tokens, long_range: vec![false; seq_len], documents: Some(Documents::from_lengths(&lens)?) };
+        Ok((s, ids))
+    };
+    let (mut rows, mut cur, mut lens, mut ids) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (i, d) in docs.iter().enumerate() {
+        if d.is_empty() || d.len() > seq_len {
+            bail!("score_documents: document {i} has {} tokens, rows hold 1..={seq_len}", d.len())
+        }
+        if cur.len() + d.len() > seq_len {
+            rows.push(row(std::mem::take(&mut cur), std::mem::take(&mut lens), std::mem::take(&mut ids))?);
+        }
+        cur.extend_from_slice(d);
+        lens.push(d.len());
+        ids.push(Some(i));
+    }
+    if !cur.is_empty() {
+        rows.push(row(cur, lens, ids)?);
+    }
+    while !rows.len().is_multiple_of(batch) {
+        rows.push(row(Vec::new(), Vec::new(), Vec::new())?);
+    }
+    let mut out = vec![f64::NAN; docs.len()];
+    for chunk in rows.chunks(batch) {
+        let b = RewardBatch::new(chunk, seq_len)?;
+        for (slot, r) in b.forward_rewards(model, ctx, dev)?.into_iter().enumerate() {
+            out[b.answers[slot]] = r;
+        }
+    }
+    if let Some(i) = out.iter().position(|x| !x.is_finite()) {
+        bail!("score_documents: document {i} has no finite reward (the reward model diverged?)")
+    }
+    Ok(out)
+}
+
+/// A reward model as one of GRPO's rewards ([`super::grpo::GrpoConfig::reward_model`]): a
+/// `*ForSequenceClassification` checkpoint of one label, sharing the policy's tokenizer, whose
+/// score of `prompt ++ completion` (at the completion's last token) times `weight` is added to
+/// the reward functions' (TRL's `reward_funcs` naming a sequence classifier).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RewardModelSpec {
+    /// The reward model's directory (a `*ForSequenceClassification` checkpoint, one label).
+    pub dir: std::path::PathBuf,
+    /// Its weight in the reward (TRL's `reward_weights` entry).
+    pub weight: f64,
+}
+
+/// A GRPO run's reward model, loaded frozen on the run's layout (each rank its shards).
+pub(crate) struct RunRewardModel {
+    model: Llama,
+    weight: f64,
+    rows: (usize, usize),
+    dev: Device,
+}
+
+impl RunRewardModel {
+    /// Loads `spec`'s model for the run `cfg` of policy `mcfg`: one label, the policy's
+    /// vocabulary. Collective over the world.
+    pub(crate) fn load(spec: &RewardModelSpec, cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, ctx: &ParallelCtx, dev: &Device) -> Result<Self> {
+        if !spec.weight.is_finite() {
+            bail!("grpo: the reward model's weight must be finite, got {}", spec.weight)
+        }
+        let (vm, rcfg) = crate::load_hf_sharded(&spec.dir, ctx, dev, cfg.dtype)?;
+        match rcfg.num_labels {
+            Some(1) => {}
+            n => bail!("grpo: {} is not a reward model of one label ({n:?} labels: a *ForSequenceClassification checkpoint, e.g. one finetune_llama --reward-model wrote)", spec.dir.display()),
+        }
+        if rcfg.vocab_size != mcfg.vocab_size {
+            bail!("grpo: the reward model {} has a vocabulary of {}, the policy {}: it scores the policy's tokens, so it must share its tokenizer", spec.dir.display(), rcfg.vocab_size, mcfg.vocab_size)
+        }
+        let model = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, cfg.dtype, dev), &rcfg, ctx)?;
+        Ok(Self { model, weight: spec.weight, rows: (cfg.batch, cfg.seq_len), dev: dev.clone() })
+    }
+
+    /// `weight ×` the reward model's score of each `prompt ++ completion`. Collective over the
+    /// world.
+    pub(crate) fn rewards(&self, docs: &[(&[u32], &[u32])]) -> Result<Vec<f64>> {
+        let whole: Vec<Vec<u32>> = docs.iter().map(|(p, c)| p.iter().chain(c.iter()).copied().collect()).collect();
+        let (batch, seq_len) = self.rows;
+        Ok(score_documents(&self.model, &whole, batch, seq_len, &self.dev)?.into_iter().map(|r| self.weight * r).collect())
+    }
+}
+
 /// The run's checks for a reward model (before the first step): the objective alone (no DPO,
 /// GRPO or LoRA), preference pairs, a model of one label; and a reward model trains by nothing
 /// else.
