@@ -1,0 +1,138 @@
+//! Scores preference pairs with a reward model (a `*ForSequenceClassification` checkpoint of
+//! one label, e.g. one `finetune_llama --reward-model` wrote): every answer's reward (its
+//! prompt ++ answer scored at the last token), the pairs' accuracy (chosen above rejected) and
+//! mean margin — on one device, then on the layout given (CPU thread ranks); exits non-zero if
+//! the two disagree by more than 1e-4 (relative above 1) or rank the pairs differently.
+//!
+//! The pairs are read as `finetune_llama --dpo` reads them (TRL's preference forms, byte-level
+//! or through `--tokenizer`, answers ended by `--eos`, conversations through
+//! `--chat-template`); whole pairs are packed into rows of `--seq-len` tokens (default: the
+//! longest pair, rounded up to what the layout needs).
+//!
+//! ```text
+//! cargo run --release --example score -- --model RM --data pairs.jsonl --eos 10 --cp 2
+//! cargo run --release --example score -- --model RM --data pairs.jsonl --tokenizer tok.json --cp 2 --tp 2 --sp --show 5
+//! ```
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device};
+use candle_cp_comm::run_ranks;
+use candle_cp_llama::chat::ChatTemplate;
+use candle_cp_llama::train::reward::answer_rewards;
+use candle_cp_llama::train::PreferenceSet;
+use candle_cp_llama::{load_hf_sharded, CpKind, Layout, Llama, ParallelCtx};
+use candle_nn::VarBuilder;
+use clap::Parser;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+struct Args {
+    /// The reward model's directory (config.json naming a `*ForSequenceClassification`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Preference pairs, JSON lines (`{"prompt": .., "chosen": .., "rejected": ..}` or
+    /// conversations).
+    #[arg(long)]
+    data: PathBuf,
+    /// A tokenizer.json (default: byte-level ids, as finetune_llama without --tokenizer).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// The token id ending each answer (default: none).
+    #[arg(long)]
+    eos: Option<u32>,
+    /// The chat template of conversations (e.g. llama3, chatml, qwen3; see finetune_llama).
+    #[arg(long)]
+    chat_template: Option<String>,
+    /// Tokens per row (default: the longest pair rounded up to the layout's multiple).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Rows per forward (a multiple of --dp).
+    #[arg(long, default_value_t = 2)]
+    batch: usize,
+    /// CP ranks of the second pass (threads).
+    #[arg(long, default_value_t = 2)]
+    cp: usize,
+    /// ring | zigzag | striped | allgather | ulysses.
+    #[arg(long, default_value = "zigzag")]
+    cp_kind: String,
+    /// TP ranks of the second pass.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Sequence parallelism with --tp.
+    #[arg(long)]
+    sp: bool,
+    /// DP ranks of the second pass.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Print the first N pairs' rewards.
+    #[arg(long, default_value_t = 0)]
+    show: usize,
+}
+
+/// Every answer's reward under the model at `dir` on `layout` (each rank its shards); the
+/// rows' length. Errors come from rank 0 first.
+fn rewards(dir: &std::path::Path, set: &PreferenceSet, layout: Layout, batch: usize, seq_len: Option<usize>) -> anyhow::Result<(Vec<f64>, usize)> {
+    let longest = (0..set.len()).map(|p| set.pair_len(p)).max().unwrap_or(1);
+    let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(Vec<f64>, usize)> {
+        let ctx = ParallelCtx::new(g, layout)?;
+        let (vm, cfg) = load_hf_sharded(dir, &ctx, &Device::Cpu, DType::F32)?;
+        if cfg.num_labels != Some(1) {
+            candle_core::bail!("{}: not a reward model of one label ({:?} labels; a *ForSequenceClassification checkpoint)", dir.display(), cfg.num_labels)
+        }
+        let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+        let m = model.prompt_multiple();
+        let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
+        Ok((answer_rewards(&model, set, batch, t, &ctx, &Device::Cpu)?, t))
+    });
+    let mut first = None;
+    for r in out {
+        let r = r?;
+        first.get_or_insert(r);
+    }
+    first.context("no rank")
+}
+
+/// (accuracy, mean margin) of pairs' rewards (`2·p` chosen, `2·p + 1` rejected).
+fn summary(r: &[f64]) -> (f64, f64) {
+    let n = (r.len() / 2).max(1) as f64;
+    let right = r.chunks(2).filter(|p| p[0] > p[1]).count() as f64;
+    (right / n, r.chunks(2).map(|p| p[0] - p[1]).sum::<f64>() / n)
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let text = std::fs::read_to_string(&a.data).with_context(|| format!("reading --data {}", a.data.display()))?;
+    let chat = a.chat_template.as_deref().map(ChatTemplate::from_name).transpose()?;
+    let set = match &a.tokenizer {
+        None => PreferenceSet::read(&text, &candle_cp_llama::train::sft::bytes_of, a.eos, chat),
+        Some(p) => {
+            let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?;
+            let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> {
+                tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
+            };
+            PreferenceSet::read(&text, &encode, a.eos, chat)
+        }
+    }
+    .with_context(|| format!("--data {}", a.data.display()))?;
+    let layout = Layout::cp(a.cp_kind.parse::<CpKind>()?, a.cp).with_tp(a.tp, a.sp).with_dp(a.dp);
+    layout.check_degrees()?;
+    let t0 = std::time::Instant::now();
+    let (one, t1) = rewards(&a.model, &set, Layout::single(), a.batch, a.seq_len)?;
+    let s1 = t0.elapsed().as_secs_f64();
+    let t0 = std::time::Instant::now();
+    let (par, tl) = rewards(&a.model, &set, layout, a.batch, a.seq_len)?;
+    let sl = t0.elapsed().as_secs_f64();
+    for p in 0..a.show.min(set.len()) {
+        println!("pair {p:>4}: chosen {:>9.4}  rejected {:>9.4}  ({layout}: {:>9.4} / {:>9.4})", one[2 * p], one[2 * p + 1], par[2 * p], par[2 * p + 1]);
+    }
+    let ((acc1, m1), (accl, ml)) = (summary(&one), summary(&par));
+    println!("model    : {} ({} pairs, rows of {t1} / {tl} tokens, {} per forward)", a.model.display(), set.len(), a.batch);
+    println!("one      : accuracy {acc1:.4}  margin {m1:.4}  ({s1:.2}s)");
+    println!("layout   : accuracy {accl:.4}  margin {ml:.4}  ({sl:.2}s, {layout})");
+    let worst = one.iter().zip(&par).map(|(x, y)| (x - y).abs() / x.abs().max(1.0)).fold(0.0, f64::max);
+    println!("agree    : max difference {worst:.2e} (relative above 1)");
+    if worst > 1e-4 || acc1 != accl {
+        bail!("{layout} disagrees with one device: {worst:.2e}, accuracy {accl} vs {acc1}")
+    }
+    Ok(())
+}
