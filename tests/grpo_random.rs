@@ -55,6 +55,7 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         loss_type: pick(d, &[GrpoLoss::Grpo, GrpoLoss::Bnpo, GrpoLoss::DrGrpo, GrpoLoss::Dapo, GrpoLoss::Cispo, GrpoLoss::Sapo]),
         scale_rewards: pick(d, &[ScaleRewards::Group, ScaleRewards::Batch, ScaleRewards::None]),
         reward: capitals(),
+        reward_model: None,
         beta: pick(d, &[0.0, 0.04]),
         mask_truncated_completions: pick(d, &[false, true]),
         num_iterations: pick(d, &[1, 2, 3]),
