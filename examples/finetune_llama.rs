@@ -326,7 +326,11 @@ fn main() -> Result<()> {
                     "all-linear" => candle_cp_llama::lora::ALL_LINEAR.to_vec(),
                     t => t.split(',').map(|t| t.trim()).collect(),
                 };
-                let saved: Vec<&str> = a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect()).unwrap_or_default();
+                let mut saved: Vec<&str> = a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect()).unwrap_or_default();
+                // (a reward model's new score head trains whole, as PEFT's SEQ_CLS task has it)
+                if a.reward_model && !saved.contains(&"score") {
+                    saved.push("score");
+                }
                 let params: Vec<&str> = a.lora_target_parameters.as_deref().map(|p| p.split(',').map(|p| p.trim()).collect()).unwrap_or_default();
                 Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_target_parameters(&params)?.with_rslora(a.rslora).with_dora(a.dora).with_modules_to_save(&saved)?)
             }

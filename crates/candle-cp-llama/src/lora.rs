@@ -102,8 +102,9 @@ pub enum GateUp {
     Concatenated,
 }
 
-/// The modules [`LoraSpec::modules_to_save`] may name, and their parameters.
-pub const SAVED_MODULES: [(&str, &str); 2] = [("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight")];
+/// The modules [`LoraSpec::modules_to_save`] may name, and their parameters (a reward model's
+/// score head, [`crate::reward`], as PEFT's `SEQ_CLS` task trains it).
+pub const SAVED_MODULES: [(&str, &str); 3] = [("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight"), ("score", crate::reward::SCORE)];
 
 impl LoraSpec {
     /// Adapters of rank `rank`, scale `alpha / rank`, on the projections `targets` (PEFT
@@ -242,7 +243,9 @@ impl LoraSpec {
     pub fn peft_config_json(&self, base: &str) -> serde_json::Value {
         let mut v = serde_json::json!({
             "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
+            // (a reward model's adapters: PEFT's sequence-classification task, its score head
+            // trained whole)
+            "task_type": if self.modules_to_save.iter().any(|m| m == "score") { "SEQ_CLS" } else { "CAUSAL_LM" },
             "base_model_name_or_path": base,
             "r": self.config.rank,
             "lora_alpha": self.config.alpha,

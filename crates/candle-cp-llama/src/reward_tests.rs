@@ -25,5 +25,9 @@ fn reward_model_configs_are_checked() {
     assert!(c.clone().with_num_labels(Some(1)).validate().is_ok());
     assert!(c.clone().with_num_labels(Some(0)).validate().unwrap_err().to_string().contains("at least one label"));
     let lora = crate::LoraSpec::new(4, 8.0, &["q_proj"]).expect("spec");
-    assert!(c.with_num_labels(Some(1)).with_lora(Some(lora)).validate().unwrap_err().to_string().contains("LoRA on a reward model"));
+    let rm = c.clone().with_num_labels(Some(1));
+    assert!(rm.clone().with_lora(Some(lora.clone())).validate().unwrap_err().to_string().contains("add score to modules_to_save"));
+    assert!(rm.clone().with_lora(Some(lora.clone().with_modules_to_save(&["score"]).expect("score"))).validate().is_ok());
+    assert!(rm.with_lora(Some(lora.clone().with_modules_to_save(&["score", "lm_head"]).expect("both"))).validate().unwrap_err().to_string().contains("no lm_head"));
+    assert!(c.with_lora(Some(lora.with_modules_to_save(&["score"]).expect("score"))).validate().unwrap_err().to_string().contains("only a reward model"));
 }

@@ -265,8 +265,14 @@ pub fn train_rank(
     }
     // a LoRA run's checkpoints name the frozen base (written once when there is no model
     // directory to name)
+    // (a causal LM read as a reward model changed too: its base is the reward model, score
+    // head drawn, written once)
+    let head_changed = match (&resume_from, &cfg.model) {
+        (None, ModelSource::Hf(d)) if cfg.reward.is_some() => crate::LlamaConfig::from_file(d.join("config.json"))?.num_labels.is_none(),
+        _ => false,
+    };
     let lora_base = match (&cfg.lora, &cfg.out) {
-        (Some(_), Some(out)) => Some(super::lora::BaseModel::new(out, base_dir.as_deref(), window_changed)?.with_tokenizer(cfg.tokenizer.clone())),
+        (Some(_), Some(out)) => Some(super::lora::BaseModel::new(out, base_dir.as_deref(), window_changed || head_changed)?.with_tokenizer(cfg.tokenizer.clone())),
         _ => None,
     };
     if let Some(rate) = cfg.expert_bias_update {

@@ -79,3 +79,55 @@ fn resumed_reward_run_is_the_straight_run() -> Result<()> {
     std::fs::remove_dir_all(&db)?;
     Ok(())
 }
+
+/// A LoRA reward model (PEFT's SEQ_CLS task: adapters on q and v, the new score head trained
+/// whole): the pair loss falls, zigzag CP 2 and TP 2 + SP follow the single device, the
+/// checkpoint is a PEFT adapter of task SEQ_CLS holding the score head under PEFT's name over a
+/// written base that is a sequence classifier, and a resumed run is the straight one.
+#[test]
+fn lora_reward_model_trains_its_adapters_and_score_head() -> Result<()> {
+    let cfg = |out: Option<PathBuf>, layout: Layout| -> Result<TrainConfig> {
+        let mut c = reward_cfg(out, layout, 8)?;
+        c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj", "v_proj"])?.with_modules_to_save(&["score"])?);
+        c.schedule.peak = 5e-3;
+        Ok(c)
+    };
+    let (da, db) = (tmpdir("reward-lora-a"), tmpdir("reward-lora-b"));
+    let one = run(&cfg(Some(da.clone()), Layout::single())?)?;
+    let m = &one[0].metrics;
+    assert!(m[7].train_loss < m[0].train_loss - 0.02, "{} → {}", m[0].train_loss, m[7].train_loss);
+    assert!(one[0].trainable_params < one[0].n_params / 4, "{} of {}", one[0].trainable_params, one[0].n_params);
+    let want: Vec<&StepMetrics> = m[..4].iter().collect();
+    follows_on_layouts("LoRA reward", &want, |layout| {
+        let mut c = cfg(None, layout)?;
+        c.stop_after = Some(4);
+        Ok(c)
+    })?;
+    let ck = crate::train::checkpoint::latest_checkpoint(da.join("checkpoints"))?.expect("a checkpoint");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("adapter_config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    assert_eq!((json["task_type"].as_str(), json["modules_to_save"][0].as_str()), (Some("SEQ_CLS"), Some("score")), "{json}");
+    let names: Vec<String> = candle_core::safetensors::load(ck.join("adapter_model.safetensors"), &candle_core::Device::Cpu)?.into_keys().collect();
+    assert!(names.iter().any(|n| n == "base_model.model.score.weight"), "{names:?}");
+    let base = crate::LlamaConfig::from_file(crate::lora::base_model_dir(&ck)?.join("config.json"))?;
+    assert_eq!(base.num_labels, Some(1));
+    // from the same weights saved as a causal LM (the score head drawn alike, its base written
+    // as the reward model), killed after step 5 and resumed from step 4's checkpoint: the
+    // straight run's steps 5..8
+    let mut cb = cfg(Some(db.clone()), Layout::cp(crate::CpKind::Zigzag, 2))?;
+    let lm = crate::LlamaConfig::tiny(128, 32, 1, 2, 1);
+    let lm_dir = db.with_extension("lm");
+    crate::save_hf(&lm_dir, &crate::init_params(&lm, cb.seed, candle_core::DType::F32, &candle_core::Device::Cpu)?, &lm)?;
+    (cb.model, cb.save_every, cb.stop_after) = (ModelSource::Hf(lm_dir.clone()), 4, Some(5));
+    run(&cb)?;
+    assert_eq!(crate::LlamaConfig::from_file(db.join("base").join("config.json"))?.num_labels, Some(1), "the written base");
+    (cb.stop_after, cb.resume) = (None, true);
+    let b = run(&cb)?;
+    assert_eq!(b[0].start_step, 4);
+    for (x, y) in m[4..].iter().zip(&b[0].metrics) {
+        assert!((x.train_loss - y.train_loss).abs() < 1e-5, "step {}: {} vs {}", x.step, x.train_loss, y.train_loss);
+    }
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(&db)?;
+    std::fs::remove_dir_all(&lm_dir)?;
+    Ok(())
+}
