@@ -107,7 +107,8 @@ pub(crate) struct GrpoArgs {
     #[arg(long, value_name = "CMD")]
     pub(crate) reward_command: Option<String>,
     /// The reward model of `--reward model`: a `*ForSequenceClassification` checkpoint of one
-    /// label sharing the policy's tokenizer (e.g. a `finetune_llama --reward-model` checkpoint),
+    /// label sharing the policy's tokenizer (e.g. a `finetune_llama --reward-model` checkpoint,
+    /// a LoRA one too: its adapter over the base it names, merged),
     /// loaded frozen on the run's layout; it scores each prompt ++ completion at its last token.
     #[arg(long, value_name = "DIR")]
     pub(crate) reward_model_dir: Option<std::path::PathBuf>,

@@ -1,5 +1,6 @@
 //! Scores preference pairs with a reward model (a `*ForSequenceClassification` checkpoint of
-//! one label, e.g. one `finetune_llama --reward-model` wrote): every answer's reward (its
+//! one label, e.g. one `finetune_llama --reward-model` wrote, or a LoRA reward run's checkpoint
+//! over its base): every answer's reward (its
 //! prompt ++ answer scored at the last token), the pairs' accuracy (chosen above rejected) and
 //! mean margin — on one device, then on the layout given (CPU thread ranks); exits non-zero if
 //! the two disagree by more than 1e-4 (relative above 1) or rank the pairs differently.
@@ -20,8 +21,8 @@ use candle_cp_comm::run_ranks;
 use candle_cp_llama::chat::ChatTemplate;
 use candle_cp_llama::train::reward::answer_rewards;
 use candle_cp_llama::train::PreferenceSet;
-use candle_cp_llama::{load_hf_sharded, CpKind, Layout, Llama, ParallelCtx};
-use candle_nn::VarBuilder;
+use candle_cp_llama::reward::load_reward_model;
+use candle_cp_llama::{CpKind, Layout, ParallelCtx};
 use clap::Parser;
 use std::path::PathBuf;
 
@@ -75,11 +76,10 @@ fn rewards(dir: &std::path::Path, set: &PreferenceSet, layout: Layout, batch: us
     let longest = (0..set.len()).map(|p| set.pair_len(p)).max().unwrap_or(1);
     let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(Vec<f64>, usize)> {
         let ctx = ParallelCtx::new(g, layout)?;
-        let (vm, cfg) = load_hf_sharded(dir, &ctx, &Device::Cpu, DType::F32)?;
-        if cfg.num_labels != Some(1) {
-            candle_core::bail!("{}: not a reward model of one label ({:?} labels; a *ForSequenceClassification checkpoint)", dir.display(), cfg.num_labels)
+        let model = load_reward_model(dir, &ctx, &Device::Cpu, DType::F32)?;
+        if model.config().num_labels != Some(1) {
+            candle_core::bail!("{}: a reward model of {:?} labels, not one", dir.display(), model.config().num_labels)
         }
-        let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
         let m = model.prompt_multiple();
         let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
         Ok((answer_rewards(&model, set, batch, t, &ctx, &Device::Cpu)?, t))

@@ -73,6 +73,22 @@ pub fn load_hf_sharded_reward(dir: impl AsRef<Path>, num_labels: usize, seed: u6
     }
 }
 
+/// This rank's reward model from `dir`: a `*ForSequenceClassification` checkpoint, or a LoRA
+/// reward run's checkpoint (a PEFT adapter of task SEQ_CLS over the base it names, the adapters
+/// merged into the weights: [`Llama::with_adapters_merged`]). Errors for a causal LM. Collective
+/// over the layout's TP group (the shards are read per rank).
+pub fn load_reward_model(dir: &Path, ctx: &ParallelCtx, device: &Device, dtype: DType) -> Result<Llama> {
+    let base = crate::lora::base_model_dir(dir)?;
+    let (vm, cfg) = crate::load_hf_sharded(&base, ctx, device, dtype)?;
+    if cfg.num_labels.is_none() {
+        bail!("{}: not a reward model (a *ForSequenceClassification checkpoint, or a LoRA reward run's adapter over one): {} is a causal LM", dir.display(), base.display())
+    }
+    match crate::lora::load_adapter_sharded(dir, &cfg, &vm, ctx, dtype, device)? {
+        Some(adapted) => Llama::new(candle_nn::VarBuilder::from_varmap(&vm, dtype, device), &adapted, ctx)?.with_adapters_merged(),
+        None => Llama::new(candle_nn::VarBuilder::from_varmap(&vm, dtype, device), &cfg, ctx),
+    }
+}
+
 impl Llama {
     /// The score head `[n, h]`; an error for a causal LM.
     fn score_head(&self) -> Result<&Tensor> {

@@ -561,7 +561,7 @@ fn a_reward_model_rewards_completions() -> Result<()> {
     let lm = LlamaConfig::tiny(128, 32, 1, 2, 1);
     crate::save_hf(dir.join("lm"), &init_params(&lm, 9, DType::F32, &Device::Cpu)?, &lm)?;
     let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("lm"), weight: 1.0 })).unwrap_err().to_string();
-    assert!(e.contains("is not a reward model"), "{e}");
+    assert!(e.contains("not a reward model"), "{e}");
     let small = LlamaConfig::tiny(64, 32, 1, 2, 1).with_num_labels(Some(1));
     crate::save_hf(dir.join("small"), &init_params(&small, 9, DType::F32, &Device::Cpu)?, &small)?;
     let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("small"), weight: 1.0 })).unwrap_err().to_string();

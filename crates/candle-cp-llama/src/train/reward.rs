@@ -287,15 +287,14 @@ impl RunRewardModel {
         if !spec.weight.is_finite() {
             bail!("grpo: the reward model's weight must be finite, got {}", spec.weight)
         }
-        let (vm, rcfg) = crate::load_hf_sharded(&spec.dir, ctx, dev, cfg.dtype)?;
-        match rcfg.num_labels {
-            Some(1) => {}
-            n => bail!("grpo: {} is not a reward model of one label ({n:?} labels: a *ForSequenceClassification checkpoint, e.g. one finetune_llama --reward-model wrote)", spec.dir.display()),
+        let model = crate::reward::load_reward_model(&spec.dir, ctx, dev, cfg.dtype).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward model: {e}")))?;
+        let rcfg = model.config();
+        if rcfg.num_labels != Some(1) {
+            bail!("grpo: {} is not a reward model of one label ({:?} labels)", spec.dir.display(), rcfg.num_labels)
         }
         if rcfg.vocab_size != mcfg.vocab_size {
             bail!("grpo: the reward model {} has a vocabulary of {}, the policy {}: it scores the policy's tokens, so it must share its tokenizer", spec.dir.display(), rcfg.vocab_size, mcfg.vocab_size)
         }
-        let model = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, cfg.dtype, dev), &rcfg, ctx)?;
         Ok(Self { model, weight: spec.weight, rows: (cfg.batch, cfg.seq_len), dev: dev.clone() })
     }
 

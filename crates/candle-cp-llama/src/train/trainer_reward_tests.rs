@@ -110,6 +110,22 @@ fn lora_reward_model_trains_its_adapters_and_score_head() -> Result<()> {
     assert!(names.iter().any(|n| n == "base_model.model.score.weight"), "{names:?}");
     let base = crate::LlamaConfig::from_file(crate::lora::base_model_dir(&ck)?.join("config.json"))?;
     assert_eq!(base.num_labels, Some(1));
+    // the checkpoint as a reward model (adapters merged) scores as the adapted model
+    for r in candle_cp_comm::run_ranks(1, |g| -> Result<()> {
+        let (dev, dt) = (candle_core::Device::Cpu, candle_core::DType::F32);
+        let ctx = crate::ParallelCtx::new(g, Layout::single())?;
+        let merged = crate::reward::load_reward_model(&ck, &ctx, &dev, dt)?;
+        let (vm, c) = crate::load_hf_sharded(crate::lora::base_model_dir(&ck)?, &ctx, &dev, dt)?;
+        let adapted = crate::lora::load_adapter_sharded(&ck, &c, &vm, &ctx, dt, &dev)?.expect("an adapter");
+        let plain = crate::Llama::new(candle_nn::VarBuilder::from_varmap(&vm, dt, &dev), &adapted, &ctx)?;
+        let ids = candle_core::Tensor::new(&[[104u32, 105, 61, 73, 72, 10]], &dev)?;
+        let pos = candle_core::Tensor::arange(0u32, 6, &dev)?;
+        let (a, b): (Vec<f32>, Vec<f32>) = (merged.scores(&ids, &pos)?.flatten_all()?.to_vec1()?, plain.scores(&ids, &pos)?.flatten_all()?.to_vec1()?);
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4 * y.abs().max(1.0)), "{a:?} vs {b:?}");
+        Ok(())
+    }) {
+        r?;
+    }
     // from the same weights saved as a causal LM (the score head drawn alike, its base written
     // as the reward model), killed after step 5 and resumed from step 4's checkpoint: the
     // straight run's steps 5..8
