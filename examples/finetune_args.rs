@@ -190,7 +190,8 @@ pub(crate) struct Args {
     pub(crate) bco: bool,
     /// Train a reward model (TRL's RewardTrainer) on preference pairs (--data as --dpo's): the
     /// model gets a score head (a causal LM's drawn, its LM head left unread) read at each
-    /// answer's last token, the loss −log σ(r_chosen − r_rejected); checkpoints are
+    /// answer's last token, the loss −log σ(r_chosen − r_rejected − margin) (a line's `margin`,
+    /// TRL's column, where every line has one; else 0); checkpoints are
     /// `*ForSequenceClassification` models.
     #[arg(long)]
     pub(crate) reward_model: bool,

@@ -155,6 +155,8 @@ impl Arch {
     /// The architecture of class `c`: its causal LM (`LlamaForCausalLM`) or its sequence
     /// classifier (`LlamaForSequenceClassification`, a reward model: [`num_labels`]).
     fn of_class(c: &str) -> Option<Arch> {
+        // (Gemma 3's text model's is Gemma3TextForSequenceClassification)
+        let c = if c == GEMMA3_TEXT_CLASSIFIER { "Gemma3ForSequenceClassification" } else { c };
         let causal = c.strip_suffix(SEQUENCE_CLASSIFICATION).map(|stem| format!("{stem}ForCausalLM"));
         let c = causal.as_deref().unwrap_or(c);
         Arch::ALL.into_iter().find(|a| a.hf_names().0 == c)
@@ -165,6 +167,7 @@ impl Arch {
     pub fn hf_class(self, num_labels: Option<usize>) -> String {
         let causal = self.hf_names().0;
         match (num_labels, causal.strip_suffix("ForCausalLM")) {
+            (Some(_), _) if self == Arch::Gemma3 => GEMMA3_TEXT_CLASSIFIER.to_string(),
             (Some(_), Some(stem)) => format!("{stem}{SEQUENCE_CLASSIFICATION}"),
             _ => causal.to_string(),
         }
@@ -367,6 +370,10 @@ impl Arch {
 /// The suffix of transformers' sequence-classification classes (`LlamaForSequenceClassification`).
 const SEQUENCE_CLASSIFICATION: &str = "ForSequenceClassification";
 
+/// Gemma 3's text model as a sequence classifier (`model_type` `gemma3_text`; transformers'
+/// `Gemma3ForSequenceClassification` is the multimodal model's).
+const GEMMA3_TEXT_CLASSIFIER: &str = "Gemma3TextForSequenceClassification";
+
 /// A reward model's labels from `config.json`: `Some(n)` when `architectures` names a
 /// `*ForSequenceClassification` class — `n` the entries of `id2label`, else `num_labels`, else
 /// transformers' default 2 — `None` for a causal LM. Errors name a config that names both
@@ -421,6 +428,8 @@ mod tests {
             assert_eq!(arch.hf_class(c.num_labels), arch.hf_names().0.replace("ForCausalLM", "ForSequenceClassification"));
         }
         assert_eq!(parse("")?.num_labels, None);
+        assert_eq!(Arch::Gemma3.hf_class(Some(1)), "Gemma3TextForSequenceClassification");
+        assert_eq!(Arch::of_class("Gemma3TextForSequenceClassification"), Some(Arch::Gemma3));
         assert_eq!(Arch::Qwen3.hf_class(None), "Qwen3ForCausalLM");
         Ok(())
     }

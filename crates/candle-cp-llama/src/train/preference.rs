@@ -41,6 +41,9 @@ pub struct PreferenceSet {
     /// Unpaired examples: whether their KL documents are sampled and scored (KTO's; BCO
     /// needs none: [`PreferenceSet::without_kl_documents`]).
     kl: bool,
+    /// Per pair, the margin a reward model's chosen reward should beat the rejected one's by
+    /// (TRL's `margin` column, [`super::reward`]); `None`: none.
+    margins: Option<Vec<f64>>,
 }
 
 /// A sampled row and, per document of the row, its index in the set (`2·p` chosen, `2·p + 1`
@@ -67,7 +70,7 @@ impl PreferenceSet {
             docs.push(chosen);
             docs.push(rejected);
         }
-        Ok(Self { docs, desirable: None, kl: false })
+        Ok(Self { docs, desirable: None, kl: false, margins: None })
     }
 
     /// KTO's unpaired examples (each a document with its target marks and whether its
@@ -118,7 +121,7 @@ impl PreferenceSet {
             docs.push((t.clone(), m.clone()));
             docs.push(kl);
         }
-        Ok(Self { docs, desirable: Some(examples.iter().map(|(_, d)| *d).collect()), kl: true })
+        Ok(Self { docs, desirable: Some(examples.iter().map(|(_, d)| *d).collect()), kl: true, margins: None })
     }
 
     /// KTO's unpaired examples of JSON lines `text` (blank lines skipped), each line one of
@@ -187,18 +190,47 @@ impl PreferenceSet {
     /// - `{"chosen": [messages], "rejected": [messages]}` (implicit prompt): the messages the
     ///   two share from the start are the prompt.
     ///
-    /// Errors name the line.
+    /// A line's number `margin` (TRL's reward-model column, [`PreferenceSet::margins`]) is
+    /// kept; either every line has one or none does. Errors name the line.
     pub fn read(text: &str, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Self> {
-        let pairs = json_lines(text, "preference data", |v| {
+        let lines = json_lines(text, "preference data", |v| {
             let pair = read_pair(v, tokenize, eos, chat)?;
             for (name, (_, m)) in [("chosen", &pair.0), ("rejected", &pair.1)] {
                 if !m.iter().skip(1).any(|&x| x) {
                     bail!("the {name} answer has no token to score (an empty prompt leaves its first token unscored)")
                 }
             }
-            Ok(pair)
+            let margin = match v.get("margin") {
+                None | Some(Value::Null) => None,
+                Some(m) => Some(m.as_f64().filter(|x| x.is_finite()).ok_or_else(|| candle_core::Error::Msg(format!("`margin` must be a finite number, got {m}")))?),
+            };
+            Ok((pair, margin))
         })?;
-        Self::from_pairs(pairs)
+        let with = lines.iter().filter(|(_, m)| m.is_some()).count();
+        if with != 0 && with != lines.len() {
+            bail!("preference data: {with} of {} pairs have a `margin`: give every pair one, or none", lines.len())
+        }
+        let margins: Option<Vec<f64>> = (with > 0).then(|| lines.iter().map(|(_, m)| m.unwrap_or(0.0)).collect());
+        Self::from_pairs(lines.into_iter().map(|(p, _)| p).collect())?.with_margins(margins)
+    }
+
+    /// Per pair, the margin a reward model's chosen reward should beat the rejected one's by
+    /// (TRL's `margin`: the loss `−log σ(r_chosen − r_rejected − margin)`, [`super::reward`]);
+    /// `None` without margins.
+    pub fn margins(&self) -> Option<&[f64]> {
+        self.margins.as_deref()
+    }
+
+    /// The same pairs with `margins` (one finite number per pair; `None`: none). Errors for
+    /// unpaired examples, another count or a margin that is not finite.
+    pub fn with_margins(mut self, margins: Option<Vec<f64>>) -> Result<Self> {
+        if let Some(m) = &margins {
+            if self.desirable.is_some() || m.len() != self.len() || m.iter().any(|x| !x.is_finite()) {
+                bail!("PreferenceSet::with_margins: {} margins (finite) for {} pairs{}", m.len(), self.len(), if self.desirable.is_some() { " of unpaired examples (margins are pairs')" } else { "" })
+            }
+        }
+        self.margins = margins;
+        Ok(self)
     }
 
     /// Number of pairs (KTO: of examples).
@@ -270,7 +302,12 @@ impl PreferenceSet {
         if range.start >= range.end || range.end > self.len() {
             bail!("PreferenceSet::subset: pairs {range:?} of {}", self.len())
         }
-        Ok(Self { docs: self.docs[2 * range.start..2 * range.end].to_vec(), desirable: self.desirable.as_ref().map(|d| d[range].to_vec()), kl: self.kl })
+        Ok(Self {
+            docs: self.docs[2 * range.start..2 * range.end].to_vec(),
+            desirable: self.desirable.as_ref().map(|d| d[range.clone()].to_vec()),
+            kl: self.kl,
+            margins: self.margins.as_ref().map(|m| m[range].to_vec()),
+        })
     }
 
     /// One row of `seq_len` tokens: whole pairs from a random one on (in order, wrapping

@@ -3,9 +3,12 @@
 //! document `prompt ++ answer` at its last token, and per pair
 //!
 //! ```text
-//! loss = mean over pairs of −log σ(r_chosen − r_rejected)
+//! loss = mean over pairs of −log σ(r_chosen − r_rejected − m)
 //!        + c · mean over pairs of (r_chosen + r_rejected)²          (c: center_rewards_coefficient)
 //! ```
+//!
+//! (`m` the pair's margin where the data gives one, TRL's `margin` column,
+//! [`PreferenceSet::margins`]; else 0).
 //!
 //! The pairs are packed whole as DPO's ([`super::preference`]); a document's last token lies on
 //! one rank, which reads its reward, and the rewards are summed over the ranks holding distinct
@@ -69,22 +72,26 @@ fn sigmoid(x: f64) -> f64 {
     if x >= 0.0 { 1.0 / (1.0 + (-x).exp()) } else { x.exp() / (1.0 + x.exp()) }
 }
 
-/// The loss over `pairs` (indices of the chosen and the rejected answer into `rewards`) and its
-/// derivatives. Errors for an index out of range.
-pub fn reward_terms(rewards: &[f64], pairs: &[(usize, usize)], cfg: &RewardConfig) -> Result<RewardTerms> {
+/// The loss over `pairs` (indices of the chosen and the rejected answer into `rewards`, with
+/// their `margins`, one per pair, or none: 0) and its derivatives. Errors for an index out of
+/// range or another number of margins.
+pub fn reward_terms(rewards: &[f64], pairs: &[(usize, usize)], margins: &[f64], cfg: &RewardConfig) -> Result<RewardTerms> {
     if let Some(&(c, r)) = pairs.iter().find(|&&(c, r)| c.max(r) >= rewards.len()) {
         bail!("reward_terms: answer {} of {} rewards", c.max(r), rewards.len())
+    }
+    if !margins.is_empty() && margins.len() != pairs.len() {
+        bail!("reward_terms: {} margins for {} pairs", margins.len(), pairs.len())
     }
     let n = pairs.len().max(1) as f64;
     let coef = cfg.center_rewards_coefficient;
     let mut t = RewardTerms { loss: 0.0, accuracy: 0.0, margin: 0.0, d_reward: vec![0.0; rewards.len()] };
-    for &(c, r) in pairs {
+    for (k, &(c, r)) in pairs.iter().enumerate() {
         let (rc, rr) = (rewards[c], rewards[r]);
-        let z = rc - rr;
+        let z = rc - rr - margins.get(k).copied().unwrap_or(0.0);
         let sum = rc + rr;
         t.loss += (softplus_neg(z) + coef * sum * sum) / n;
-        t.accuracy += (z > 0.0) as u8 as f64 / n;
-        t.margin += z / n;
+        t.accuracy += (rc > rr) as u8 as f64 / n;
+        t.margin += (rc - rr) / n;
         // d/dz of −log σ(z) is −σ(−z)
         let g = -sigmoid(-z) / n;
         t.d_reward[c] += g + 2.0 * coef * sum / n;
@@ -153,8 +160,9 @@ impl RewardBatch {
 
     /// The pairs' loss: the node to back-propagate (`Σ w_d · r_d` over the documents ending
     /// among this rank's tokens) and its terms over the whole batch. `scores` this rank's
-    /// (differentiable), `group` the ranks holding distinct tokens. Collective over `group`.
-    pub(crate) fn loss(&self, scores: &Tensor, cfg: &RewardConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, RewardTerms)> {
+    /// (differentiable), `margins` the set's per pair ([`PreferenceSet::margins`]), `group` the
+    /// ranks holding distinct tokens. Collective over `group`.
+    pub(crate) fn loss(&self, scores: &Tensor, margins: Option<&[f64]>, cfg: &RewardConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, RewardTerms)> {
         let (rewards, ends) = self.rewards(scores, ctx, group)?;
         // (slot pairs: each chosen answer 2·p with its rejected 2·p + 1)
         let slot_of: std::collections::HashMap<usize, usize> = self.answers.iter().enumerate().map(|(s, &a)| (a, s)).collect();
@@ -167,7 +175,11 @@ impl RewardBatch {
                 }
             }
         }
-        let t = reward_terms(&rewards, &pairs, cfg)?;
+        let m: Vec<f64> = match margins {
+            Some(m) => pairs.iter().map(|&(c, _)| m.get(self.answers[c] / 2).copied().ok_or_else(|| candle_core::Error::Msg(format!("reward: no margin for pair {}", self.answers[c] / 2)))).collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
+        let t = reward_terms(&rewards, &pairs, &m, cfg)?;
         let w: Vec<f32> = ends.iter().map(|&e| if e > 0 { t.d_reward[e as usize - 1] as f32 } else { 0.0 }).collect();
         let w = Tensor::from_vec(w, scores.shape(), scores.device())?;
         Ok(((scores * w)?.sum_all()?, t))
@@ -206,7 +218,7 @@ pub fn evaluate_pairs(model: &Llama, set: &PreferenceSet, cfg: &RewardConfig, ba
     model.set_lora_dropout(None)?;
     let rewards = answer_rewards(model, set, batch, seq_len, ctx, dev)?;
     let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
-    reward_terms(&rewards, &pairs, cfg)
+    reward_terms(&rewards, &pairs, set.margins().unwrap_or(&[]), cfg)
 }
 
 /// Every document's reward under reward model `model`, in order: the documents (each at most

@@ -515,7 +515,11 @@ pub fn train_rank(
                 (Some(r), Some(_)) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
                     let scores = model.scores_packed(&ids_d, &pos_d, &sb.documents)?;
-                    Some(super::reward::RewardBatch::new(&rows, cfg.seq_len)?.loss(&scores, r, &ctx, &token_group)?)
+                    let margins = match &cfg.data {
+                        super::DataSource::Preference(s) => s.margins(),
+                        _ => None,
+                    };
+                    Some(super::reward::RewardBatch::new(&rows, cfg.seq_len)?.loss(&scores, margins, r, &ctx, &token_group)?)
                 }
                 (Some(_), None) => bail!("train: a reward model trains on preference rows (packed documents)"),
                 (None, _) => None,

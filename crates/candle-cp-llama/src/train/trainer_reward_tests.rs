@@ -147,3 +147,28 @@ fn lora_reward_model_trains_its_adapters_and_score_head() -> Result<()> {
     std::fs::remove_dir_all(&lm_dir)?;
     Ok(())
 }
+
+/// TRL's per-pair margins: with every pair's margin 1 the first step's loss is
+/// `softplus(1 − Δr)`'s mean — above the run without margins, whose rewards are the same at
+/// step 1 — and zigzag CP 2 follows the single device.
+#[test]
+fn margins_raise_the_bar_on_every_layout() -> Result<()> {
+    let with_margins = |layout: Layout| -> Result<TrainConfig> {
+        let mut c = reward_cfg(None, layout, 3)?;
+        if let DataSource::Preference(s) = &c.data {
+            let n = s.len();
+            c.data = DataSource::Preference(s.clone().with_margins(Some(vec![1.0; n]))?);
+        }
+        c.reward = Some(RewardConfig::default());
+        Ok(c)
+    };
+    let plain = run(&TrainConfig { reward: Some(RewardConfig::default()), ..reward_cfg(None, Layout::single(), 3)? })?;
+    let one = run(&with_margins(Layout::single())?)?;
+    let (p0, m0) = (&plain[0].metrics[0], &one[0].metrics[0]);
+    assert!(m0.train_loss > p0.train_loss + 0.2 && m0.dpo_margin == p0.dpo_margin, "{m0:?} vs {p0:?}");
+    let cp = run(&with_margins(Layout::cp(crate::CpKind::Zigzag, 2))?)?;
+    for (a, b) in one[0].metrics.iter().zip(&cp[0].metrics) {
+        assert!((a.train_loss - b.train_loss).abs() < 1e-5 && (a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "step {}: {a:?} vs {b:?}", a.step);
+    }
+    Ok(())
+}
