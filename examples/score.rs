@@ -8,18 +8,22 @@
 //! The pairs are read as `finetune_llama --dpo` reads them (TRL's preference forms, byte-level
 //! or through `--tokenizer`, answers ended by `--eos`, conversations through
 //! `--chat-template`); whole pairs are packed into rows of `--seq-len` tokens (default: the
-//! longest pair, rounded up to what the layout needs).
+//! longest pair, rounded up to what the layout needs). With `--completions` the data is
+//! prompt / completion examples (as `--sft` reads them), each scored alone: their rewards and
+//! mean.
 //!
 //! ```text
 //! cargo run --release --example score -- --model RM --data pairs.jsonl --eos 10 --cp 2
 //! cargo run --release --example score -- --model RM --data pairs.jsonl --tokenizer tok.json --cp 2 --tp 2 --sp --show 5
+//! cargo run --release --example score -- --model RM --data answers.jsonl --completions --eos 10 --show 10
 //! ```
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::chat::ChatTemplate;
-use candle_cp_llama::train::reward::answer_rewards;
+use candle_cp_llama::train::reward::{answer_rewards, score_documents};
+use candle_cp_llama::train::sft::read_sft;
 use candle_cp_llama::train::PreferenceSet;
 use candle_cp_llama::reward::load_reward_model;
 use candle_cp_llama::{CpKind, Layout, ParallelCtx};
@@ -65,9 +69,61 @@ struct Args {
     /// DP ranks of the second pass.
     #[arg(long, default_value_t = 1)]
     dp: usize,
-    /// Print the first N pairs' rewards.
+    /// Print the first N pairs' (examples') rewards.
     #[arg(long, default_value_t = 0)]
     show: usize,
+    /// --data is prompt / completion examples (or conversations), each scored alone.
+    #[arg(long)]
+    completions: bool,
+}
+
+/// Every document's reward (`docs` whole, each at most a row) on `layout`; the rows' length.
+fn doc_rewards(dir: &std::path::Path, docs: &[Vec<u32>], layout: Layout, batch: usize, seq_len: Option<usize>) -> anyhow::Result<(Vec<f64>, usize)> {
+    let longest = docs.iter().map(Vec::len).max().unwrap_or(1);
+    let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(Vec<f64>, usize)> {
+        let ctx = ParallelCtx::new(g, layout)?;
+        let model = load_reward_model(dir, &ctx, &Device::Cpu, DType::F32)?;
+        let m = model.prompt_multiple();
+        let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
+        Ok((score_documents(&model, docs, batch, t, &Device::Cpu)?, t))
+    });
+    let mut first = None;
+    for r in out {
+        let r = r?;
+        first.get_or_insert(r);
+    }
+    first.context("no rank")
+}
+
+/// `--completions`: every example's reward on one device and on `layout`, compared.
+fn score_completions(a: &Args, text: &str, layout: Layout, chat: Option<ChatTemplate>) -> anyhow::Result<()> {
+    let examples = match &a.tokenizer {
+        None => read_sft(text, &candle_cp_llama::train::sft::bytes_of, a.eos, chat),
+        Some(p) => {
+            let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?;
+            let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> {
+                tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
+            };
+            read_sft(text, &encode, a.eos, chat)
+        }
+    }
+    .with_context(|| format!("--data {}", a.data.display()))?;
+    let docs: Vec<Vec<u32>> = examples.into_iter().map(|(t, _)| t).collect();
+    let (one, t1) = doc_rewards(&a.model, &docs, Layout::single(), a.batch, a.seq_len)?;
+    let (par, tl) = doc_rewards(&a.model, &docs, layout, a.batch, a.seq_len)?;
+    for (i, (x, y)) in one.iter().zip(&par).enumerate().take(a.show) {
+        println!("example {i:>4}: reward {x:>9.4}  ({layout}: {y:>9.4})");
+    }
+    let mean = |r: &[f64]| r.iter().sum::<f64>() / r.len().max(1) as f64;
+    println!("model    : {} ({} examples, rows of {t1} / {tl} tokens, {} per forward)", a.model.display(), docs.len(), a.batch);
+    println!("one      : mean reward {:.4}", mean(&one));
+    println!("layout   : mean reward {:.4}  ({layout})", mean(&par));
+    let worst = one.iter().zip(&par).map(|(x, y)| (x - y).abs() / x.abs().max(1.0)).fold(0.0, f64::max);
+    println!("agree    : max difference {worst:.2e} (relative above 1)");
+    if worst > 1e-4 {
+        bail!("{layout} disagrees with one device: {worst:.2e}")
+    }
+    Ok(())
 }
 
 /// Every answer's reward under the model at `dir` on `layout` (each rank its shards); the
@@ -103,6 +159,11 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let text = std::fs::read_to_string(&a.data).with_context(|| format!("reading --data {}", a.data.display()))?;
     let chat = a.chat_template.as_deref().map(ChatTemplate::from_name).transpose()?;
+    let layout = Layout::cp(a.cp_kind.parse::<CpKind>()?, a.cp).with_tp(a.tp, a.sp).with_dp(a.dp);
+    layout.check_degrees()?;
+    if a.completions {
+        return score_completions(&a, &text, layout, chat);
+    }
     let set = match &a.tokenizer {
         None => PreferenceSet::read(&text, &candle_cp_llama::train::sft::bytes_of, a.eos, chat),
         Some(p) => {
@@ -114,8 +175,6 @@ fn main() -> anyhow::Result<()> {
         }
     }
     .with_context(|| format!("--data {}", a.data.display()))?;
-    let layout = Layout::cp(a.cp_kind.parse::<CpKind>()?, a.cp).with_tp(a.tp, a.sp).with_dp(a.dp);
-    layout.check_degrees()?;
     let t0 = std::time::Instant::now();
     let (one, t1) = rewards(&a.model, &set, Layout::single(), a.batch, a.seq_len)?;
     let s1 = t0.elapsed().as_secs_f64();
