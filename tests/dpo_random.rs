@@ -22,7 +22,7 @@ use candle_cp_llama::layout::Layout;
 use candle_cp_llama::train::sft::bytes_of;
 use candle_cp_llama::train::dpo::RefSync;
 use candle_cp_llama::train::dpo_loss::FDivergence;
-use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, RewardConfig, Rng, TrainConfig};
+use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, RewardConfig, Rng, StepMetrics, TrainConfig, TrainOutcome};
 use candle_cp_llama::LlamaConfig;
 use candle_cp_tests::draws::{pick, rng, seeds};
 use candle_cp_tests::train_draws::{assert_explained, draw_run, run};
@@ -98,6 +98,31 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
     DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha, reference_model: None, reference_free, mix, f_divergence, ld_alpha, use_weighting, sync_ref_model, ..DpoConfig::default() }
 }
 
+/// `cfg` (a drawn layout's run) against `one` (the same run on one device) step by step: the
+/// objective to 1e-5 and the gradient norm to 1e-4 (relative above 1) at step 1, 10x those
+/// after updates, on every rank, and `more` of each step's pair (one device's first) and the
+/// rank's outcome. `false`: the trainer refused `cfg`, for a reason the draw explains.
+fn follows_one_device(what: &str, cfg: &TrainConfig, one: &TrainConfig, more: impl Fn(&StepMetrics, &StepMetrics, &TrainOutcome)) -> Result<bool> {
+    let got = match run(cfg) {
+        Ok(g) => g,
+        Err(e) => {
+            assert_explained(what, &e);
+            return Ok(false);
+        }
+    };
+    let want = run(one)?;
+    let want = &want[0].metrics;
+    for (r, out) in got.iter().enumerate() {
+        for (a, b) in want.iter().zip(&out.metrics) {
+            let k = if a.step == 1 { 1.0 } else { 10.0 };
+            assert!((a.train_loss - b.train_loss).abs() < 1e-5 * k * a.train_loss.abs().max(1.0), "{what}, rank {r} step {}: objective {} vs {}", a.step, b.train_loss, a.train_loss);
+            assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * k * a.grad_norm.max(1.0), "{what}, rank {r} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
+            more(a, b, out);
+        }
+    }
+    Ok(true)
+}
+
 #[test]
 fn random_dpo_runs_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
@@ -121,25 +146,10 @@ fn random_dpo_runs_follow_one_device() -> Result<()> {
         let mut cfg = base(layout)?;
         opts.apply(&mut cfg);
         let what = format!("seed {seed}: {layout}, batch {batch} x {grad_accum}, {opts:?}, {dpo:?}");
-        let got = match run(&cfg) {
-            Ok(g) => g,
-            Err(e) => {
-                assert_explained(&what, &e);
-                refused += 1;
-                continue;
-            }
-        };
-        let want = run(&base(Layout::single())?)?;
-        let want = &want[0].metrics;
-        for (r, out) in got.iter().enumerate() {
-            for (a, b) in want.iter().zip(&out.metrics) {
-                let k = if a.step == 1 { 1.0 } else { 10.0 };
-                assert!((a.train_loss - b.train_loss).abs() < 1e-5 * k * a.train_loss.abs().max(1.0), "{what}, rank {r} step {}: objective {} vs {}", a.step, b.train_loss, a.train_loss);
-                assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * k * a.grad_norm.max(1.0), "{what}, rank {r} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
-                assert_eq!(a.dpo_accuracy.is_some(), b.dpo_accuracy.is_some());
-            }
+        match follows_one_device(&what, &cfg, &base(Layout::single())?, |a, b, _| assert_eq!(a.dpo_accuracy.is_some(), b.dpo_accuracy.is_some(), "{what}"))? {
+            true => checked += 1,
+            false => refused += 1,
         }
-        checked += 1;
     }
     println!("{checked} DPO configurations checked against one device, {refused} refused");
     assert!(checked > 0, "every draw refused");
@@ -164,25 +174,10 @@ fn random_reward_model_runs_follow_one_device() -> Result<()> {
         let mut cfg = base(layout)?;
         opts.apply(&mut cfg);
         let what = format!("seed {seed}: {layout}, batch {batch} x {grad_accum}, {opts:?}, {reward:?}");
-        let got = match run(&cfg) {
-            Ok(g) => g,
-            Err(e) => {
-                assert_explained(&what, &e);
-                refused += 1;
-                continue;
-            }
-        };
-        let want = run(&base(Layout::single())?)?;
-        let want = &want[0].metrics;
-        for (r, out) in got.iter().enumerate() {
-            for (a, b) in want.iter().zip(&out.metrics) {
-                let k = if a.step == 1 { 1.0 } else { 10.0 };
-                assert!((a.train_loss - b.train_loss).abs() < 1e-5 * k * a.train_loss.abs().max(1.0), "{what}, rank {r} step {}: objective {} vs {}", a.step, b.train_loss, a.train_loss);
-                assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * k * a.grad_norm.max(1.0), "{what}, rank {r} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
-                assert_eq!((a.dpo_accuracy, out.config.num_labels), (b.dpo_accuracy, Some(1)), "{what}, rank {r} step {}", a.step);
-            }
+        match follows_one_device(&what, &cfg, &base(Layout::single())?, |a, b, out| assert_eq!((a.dpo_accuracy, out.config.num_labels), (b.dpo_accuracy, Some(1)), "{what} step {}", a.step))? {
+            true => checked += 1,
+            false => refused += 1,
         }
-        checked += 1;
     }
     println!("{checked} reward-model configurations checked against one device, {refused} refused");
     assert!(checked > 0, "every draw refused");

@@ -194,20 +194,26 @@ pub fn answer_rewards(model: &Llama, set: &PreferenceSet, batch: usize, seq_len:
     if set.desirable().is_some() {
         bail!("reward: the examples are unpaired (KTO's); a reward model trains on preference pairs")
     }
-    let mut rows = set.in_order(seq_len)?;
-    while !rows.len().is_multiple_of(batch.max(1)) {
+    score_rows(model, set.in_order(seq_len)?, 2 * set.len(), (batch.max(1), seq_len), ctx, dev)
+}
+
+/// The rewards of documents `0..n` of `rows` (rows of `seq_len` whose documents name them,
+/// [`PreferenceRow`]), `batch` rows per forward, the last forward filled with padding rows.
+/// Errors name a document without a finite reward. Collective over the world.
+fn score_rows(model: &Llama, mut rows: Vec<PreferenceRow>, n: usize, (batch, seq_len): (usize, usize), ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+    while !rows.len().is_multiple_of(batch) {
         let s = super::Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(Documents::single(seq_len)?) };
         rows.push((s, vec![None]));
     }
-    let mut out = vec![f64::NAN; 2 * set.len()];
-    for chunk in rows.chunks(batch.max(1)) {
+    let mut out = vec![f64::NAN; n];
+    for chunk in rows.chunks(batch) {
         let b = RewardBatch::new(chunk, seq_len)?;
         for (slot, r) in b.forward_rewards(model, ctx, dev)?.into_iter().enumerate() {
             out[b.answers[slot]] = r;
         }
     }
     if let Some(a) = out.iter().position(|x| !x.is_finite()) {
-        bail!("reward: answer {a} has no finite reward (not scored, or the model diverged)")
+        bail!("reward: document {a} has no finite reward (not scored, or the model diverged)")
     }
     Ok(out)
 }
@@ -256,20 +262,7 @@ pub fn score_documents(model: &Llama, docs: &[Vec<u32>], batch: usize, seq_len: 
     if !cur.is_empty() {
         rows.push(row(cur, lens, ids)?);
     }
-    while !rows.len().is_multiple_of(batch) {
-        rows.push(row(Vec::new(), Vec::new(), Vec::new())?);
-    }
-    let mut out = vec![f64::NAN; docs.len()];
-    for chunk in rows.chunks(batch) {
-        let b = RewardBatch::new(chunk, seq_len)?;
-        for (slot, r) in b.forward_rewards(model, ctx, dev)?.into_iter().enumerate() {
-            out[b.answers[slot]] = r;
-        }
-    }
-    if let Some(i) = out.iter().position(|x| !x.is_finite()) {
-        bail!("score_documents: document {i} has no finite reward (the reward model diverged?)")
-    }
-    Ok(out)
+    score_rows(model, rows, docs.len(), (batch, seq_len), ctx, dev)
 }
 
 /// A reward model as one of GRPO's rewards ([`super::grpo::GrpoConfig::reward_model`]): a
