@@ -93,9 +93,10 @@ pub(crate) struct GrpoArgs {
     pub(crate) sapo_temperatures: Vec<f64>,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0), tokens (the fraction of positions that match), finished (1 when the completion
-    /// ends with the end-of-sequence id), command (--reward-command's) or model
-    /// (--reward-model-dir's score of the prompt and completion); several, comma separated,
-    /// summed (--reward-weights).
+    /// ends with the end-of-sequence id), overlong (DAPO's soft overlong punishment: 0, falling
+    /// to −1 over the last --overlong-cache tokens of --max-completion-length), command
+    /// (--reward-command's) or model (--reward-model-dir's score of the prompt and completion);
+    /// several, comma separated, summed (--reward-weights).
     #[arg(long, default_value = "tokens")]
     pub(crate) reward: String,
     /// The weights of a --reward list, comma separated (default: 1 each).
@@ -112,6 +113,10 @@ pub(crate) struct GrpoArgs {
     /// loaded frozen on the run's layout; it scores each prompt ++ completion at its last token.
     #[arg(long, value_name = "DIR")]
     pub(crate) reward_model_dir: Option<std::path::PathBuf>,
+    /// The tokens before --max-completion-length over which `--reward overlong` falls from 0 to
+    /// −1 (TRL's soft_punish_cache; default: a quarter of the length).
+    #[arg(long, value_name = "N")]
+    pub(crate) overlong_cache: Option<usize>,
     /// Seconds --reward-command may take to answer one completion.
     #[arg(long, default_value_t = 60)]
     pub(crate) reward_timeout: u64,
@@ -148,17 +153,21 @@ impl GrpoArgs {
                     "exact" => rewards::exact_match(),
                     "tokens" => rewards::token_accuracy(),
                     "finished" => rewards::finished(eos.into_iter().collect()),
+                    "overlong" => rewards::soft_overlong_punishment(self.max_completion_length, self.overlong_cache.unwrap_or(self.max_completion_length / 4).max(1)),
                     "command" => {
                         let Some(cmd) = &self.reward_command else { bail!("--reward command needs --reward-command CMD") };
                         rewards::command("sh", &["-c".into(), cmd.clone()], decoder(tokenizer)?, std::time::Duration::from_secs(self.reward_timeout))?
                     }
                     // (a function's zero in its place: the model's scores are added by the run)
                     "model" => zero.clone(),
-                    r => bail!("--reward {r}: expected exact, tokens, finished, command or model"),
+                    r => bail!("--reward {r}: expected exact, tokens, finished, overlong, command or model"),
                 };
                 Ok((r, w))
             })
             .collect::<Result<Vec<_>>>()?;
+        if self.overlong_cache.is_some() && !names.contains(&"overlong") {
+            bail!("--overlong-cache is the reward `overlong`'s: name it in --reward")
+        }
         if self.reward_command.is_some() && !names.contains(&"command") {
             bail!("--reward-command is the reward `command`: name it in --reward")
         }

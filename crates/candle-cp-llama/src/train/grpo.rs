@@ -69,37 +69,8 @@ use std::sync::Arc;
 pub type RewardFn = Arc<dyn Fn(&[u32], &[u32], &[u32]) -> Result<f64> + Send + Sync>;
 
 /// Reward functions against a prompt's reference answer.
-pub mod rewards {
-    use super::RewardFn;
-    use std::sync::Arc;
-
-    pub use super::super::reward_command::{command, Decode};
-
-    /// 1 when the completion is the reference answer token for token, else 0.
-    pub fn exact_match() -> RewardFn {
-        Arc::new(|_, completion, answer| Ok((completion == answer) as u8 as f64))
-    }
-
-    /// `Σ w_k · r_k`: several rewards summed with their weights (TRL's `reward_funcs` with
-    /// `reward_weights`).
-    pub fn weighted(parts: Vec<(RewardFn, f64)>) -> RewardFn {
-        Arc::new(move |p, c, a| parts.iter().map(|(r, w)| Ok(w * r(p, c, a)?)).sum())
-    }
-
-    /// 1 when the completion ends with one of `stop` (it finished within the length), else 0.
-    pub fn finished(stop: Vec<u32>) -> RewardFn {
-        Arc::new(move |_, c, _| Ok(c.last().is_some_and(|t| stop.contains(t)) as u8 as f64))
-    }
-
-    /// The fraction of the longer of the completion and the answer whose tokens match the
-    /// answer's position by position (1: the answer exactly; partial credit on the way).
-    pub fn token_accuracy() -> RewardFn {
-        Arc::new(|_, completion, answer| {
-            let n = completion.len().max(answer.len()).max(1);
-            Ok(completion.iter().zip(answer).filter(|(a, b)| a == b).count() as f64 / n as f64)
-        })
-    }
-}
+#[path = "grpo_rewards.rs"]
+pub mod rewards;
 
 /// How the per-token terms are normalised, and CISPO's term ([`GrpoConfig::loss_type`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
