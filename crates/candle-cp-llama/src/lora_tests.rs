@@ -122,13 +122,18 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
     edit(&dir, |v| v["rank_pattern"] = serde_json::json!({"q_proj": "eight"}))?;
     let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("'rank_pattern'") && e.contains("\"eight\""), "{e}");
-    // modules trained whole: the embedding and the head read, another module refused by name
+    // modules trained whole: the embedding and the head read (a reward model's score head, and
+    // PEFT's SEQ_CLS task's `classifier` / `score` as the score), another module refused by name
     save_peft_adapter(&dir, &spec, &ad, "base")?;
     edit(&dir, |v| v["modules_to_save"] = serde_json::json!(["lm_head"]))?;
     assert_eq!(load_peft_adapter(&dir)?.0.modules_to_save, ["lm_head"]);
     edit(&dir, |v| v["modules_to_save"] = serde_json::json!(["score"]))?;
+    assert_eq!(load_peft_adapter(&dir)?.0.modules_to_save, ["score"]);
+    edit(&dir, |v| (v["modules_to_save"], v["task_type"]) = (serde_json::json!(["classifier", "score"]), serde_json::json!("SEQ_CLS")))?;
+    assert_eq!(load_peft_adapter(&dir)?.0.modules_to_save, ["score"]);
+    edit(&dir, |v| (v["modules_to_save"], v["task_type"]) = (serde_json::json!(["classifier"]), serde_json::json!("CAUSAL_LM")))?;
     let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("'score'") && e.contains("modules_to_save"), "{e}");
+    assert!(e.contains("'classifier'") && e.contains("modules_to_save"), "{e}");
     // the defaults PEFT writes are accepted (bias "none", empty patterns, dropout)
     save_peft_adapter(&dir, &spec, &ad, "base")?;
     edit(&dir, |v| {
