@@ -68,7 +68,6 @@ use std::sync::Arc;
 /// same completion (a run checks: [`super::grpo_run`]).
 pub type RewardFn = Arc<dyn Fn(&[u32], &[u32], &[u32]) -> Result<f64> + Send + Sync>;
 
-/// Reward functions against a prompt's reference answer.
 #[path = "grpo_rewards.rs"]
 pub mod rewards;
 

@@ -1,6 +1,7 @@
-//! GRPO's built-in reward functions ([`super::RewardFn`]): against a prompt's reference answer
-//! (exact match, token accuracy), whether a completion finished, DAPO's soft overlong
-//! punishment, an external program's ([`command`]) and weighted sums of them.
+//! GRPO's built-in reward functions ([`crate::train::grpo::RewardFn`]): against a prompt's
+//! reference answer (exact match, token accuracy), whether a completion finished, DAPO's soft
+//! overlong punishment, an external program's ([`crate::train::reward_command::command`]) and
+//! weighted sums of them.
 
 use super::RewardFn;
 use std::sync::Arc;

@@ -155,7 +155,7 @@ impl RewardBatch {
         let sb = shard_batch_packed(&self.ids, &self.documents, ctx)?;
         let (ids, pos) = (sb.input_ids.to_device(dev)?, sb.positions.to_device(dev)?);
         let scores = model.scores_packed(&ids, &pos, &sb.documents)?.detach();
-        Ok(self.rewards(&scores, ctx, &ctx.token_group())?.0)
+        Ok(self.rewards(&scores, ctx, ctx.token_group())?.0)
     }
 
     /// The pairs' loss: the node to back-propagate (`Σ w_d · r_d` over the documents ending
