@@ -22,6 +22,7 @@
 //! cargo run --release --example generate -- --model DIR --chat --system "Be brief." --prompt "Hi?" --stop-at-eos
 //! cargo run --release --example generate -- --model DIR --chat --messages conversation.json --prompt "And then?"
 //! cargo run --release --example generate -- --model DIR --prompts questions.txt --stop-at-eos
+//! cargo run --release --example generate -- --model DIR --prompts questions.txt --temperature 1 --best-of 8 --reward-model RM
 //! ```
 
 use anyhow::{bail, Context};
@@ -137,7 +138,18 @@ struct Args {
     /// generation_config.json, else of its config.json).
     #[arg(long)]
     stop_at_eos: bool,
+    /// Best-of-N: sample N completions of every prompt (needs --temperature) and keep the one
+    /// --reward-model scores highest (rejection sampling), on one device and on the layout.
+    #[arg(long, value_name = "N")]
+    best_of: Option<usize>,
+    /// The reward model of --best-of: a *ForSequenceClassification checkpoint of one label
+    /// sharing the model's tokenizer (or a LoRA reward run's checkpoint).
+    #[arg(long, value_name = "DIR")]
+    reward_model: Option<PathBuf>,
 }
+
+#[path = "generate_best_of.rs"]
+mod best_of;
 
 /// The messages of `--messages FILE`: a JSON list of {"role", "content"}, or an object holding
 /// it as `messages`; errors name the file.
@@ -387,6 +399,17 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(ad) = &adapter {
         println!("adapter: {} (PEFT LoRA, over the model{})", ad.display(), quant.map(|q| format!(" quantized {q}")).unwrap_or_default());
+    }
+    match (a.best_of, &a.reward_model) {
+        (Some(n), Some(rm)) => {
+            if adapter.is_some() || quant.is_some() || a.sliding_window.is_some() {
+                bail!("--best-of samples the model as its checkpoint holds it: not with an adapter, --quantize-base or --sliding-window")
+            }
+            let b = best_of::BestOf { dev: &dev, policy: &dir, reward_model: rm, rows: &rows, n, new, sampling, stop: &stop };
+            return best_of::run(&b, layout, &|t: &[u32]| as_text(t));
+        }
+        (None, None) => {}
+        _ => bail!("--best-of N and --reward-model DIR go together"),
     }
     let single = run(&dev, &dir, adapter.as_deref(), quant, &cfg, Layout::single(), (&rows, ragged), new, sampling, &stop)
         .with_context(|| format!("weights of {}", dir.display()))?;

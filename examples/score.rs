@@ -83,7 +83,7 @@ fn doc_rewards(dir: &std::path::Path, docs: &[Vec<u32>], layout: Layout, batch: 
     let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(Vec<f64>, usize)> {
         let ctx = ParallelCtx::new(g, layout)?;
         let model = load_reward_model(dir, &ctx, &Device::Cpu, DType::F32)?;
-        let m = model.prompt_multiple();
+        let m = model.forward_multiple();
         let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
         Ok((score_documents(&model, docs, batch, t, &Device::Cpu)?, t))
     });
@@ -136,7 +136,7 @@ fn rewards(dir: &std::path::Path, set: &PreferenceSet, layout: Layout, batch: us
         if model.config().num_labels != Some(1) {
             candle_core::bail!("{}: a reward model of {:?} labels, not one", dir.display(), model.config().num_labels)
         }
-        let m = model.prompt_multiple();
+        let m = model.forward_multiple();
         let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
         Ok((answer_rewards(&model, set, batch, t, &ctx, &Device::Cpu)?, t))
     });

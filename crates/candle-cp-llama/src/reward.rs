@@ -90,6 +90,14 @@ pub fn load_reward_model(dir: &Path, ctx: &ParallelCtx, device: &Device, dtype: 
 }
 
 impl Llama {
+    /// A multiple of which a row's length suits this layout's forward (a training forward,
+    /// [`Llama::scores_packed`]): [`Llama::prompt_multiple`] times the TP degree under sequence
+    /// parallelism (each CP shard split over the TP ranks).
+    pub fn forward_multiple(&self) -> usize {
+        let l = &self.ctx.layout;
+        self.prompt_multiple() * if l.seq_parallel() { l.tp } else { 1 }
+    }
+
     /// The score head `[n, h]`; an error for a causal LM.
     fn score_head(&self) -> Result<&Tensor> {
         match &self.score {

@@ -265,6 +265,58 @@ pub fn score_documents(model: &Llama, docs: &[Vec<u32>], batch: usize, seq_len: 
     score_rows(model, rows, docs.len(), (batch, seq_len), ctx, dev)
 }
 
+/// Rewards within this of the highest (relative above 1) tie for [`best_of_n`]'s pick, the
+/// first of them kept: rounding, which differs between layouts, does not choose.
+pub const BEST_TIE: f64 = 1e-4;
+
+/// One prompt's best-of-N samples ([`best_of_n`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BestOfN {
+    /// The N completions (each ending at its stop token, or at the token limit).
+    pub completions: Vec<Vec<u32>>,
+    /// Their rewards under the reward model.
+    pub rewards: Vec<f64>,
+    /// The index of the best (the first of the highest rewards, ties within [`BEST_TIE`]).
+    pub best: usize,
+}
+
+/// Best-of-N sampling (rejection sampling with a reward model, as RAFT or Llama 2's
+/// rejection-sampling fine-tuning draw data): `n` completions of each prompt sampled by `policy`
+/// in one batch of different lengths ([`Llama::generate_ragged`], at most `max_new_tokens`,
+/// ending at `stop`), each `prompt ++ completion` scored by reward model `rm` on the same layout
+/// ([`score_documents`], `batch` rows per forward), the best kept per prompt. The same on every
+/// rank. `prompts · n` must divide by DP; the reward model must share the policy's
+/// vocabulary. Collective over the world.
+#[allow(clippy::too_many_arguments)]
+pub fn best_of_n(policy: &Llama, rm: &Llama, prompts: &[Vec<u32>], n: usize, max_new_tokens: usize, sampling: crate::Sampling, stop: &[u32], batch: usize) -> Result<Vec<BestOfN>> {
+    if n == 0 || prompts.is_empty() {
+        bail!("best_of_n: {n} samples of {} prompts: needs at least one of each", prompts.len())
+    }
+    if n > 1 && sampling == crate::Sampling::Greedy {
+        bail!("best_of_n: {n} greedy samples of a prompt are one completion n times: sample (a temperature)")
+    }
+    if rm.config().num_labels != Some(1) || rm.config().vocab_size != policy.config().vocab_size {
+        bail!("best_of_n: the reward model ({:?} labels, vocabulary {}) must have one label and the policy's vocabulary {}", rm.config().num_labels, rm.config().vocab_size, policy.config().vocab_size)
+    }
+    let rows: Vec<Vec<u32>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.clone(), n)).collect();
+    let tokens = policy.generate_ragged(&rows, max_new_tokens, sampling, stop)?.tokens;
+    let docs: Vec<Vec<u32>> = rows.iter().zip(&tokens).map(|(p, c)| p.iter().chain(c).copied().collect()).collect();
+    let m = rm.forward_multiple();
+    let seq_len = docs.iter().map(Vec::len).max().unwrap_or(1).div_ceil(m) * m;
+    let rewards = score_documents(rm, &docs, batch, seq_len, &policy.embed.device().clone())?;
+    Ok(tokens
+        .chunks(n)
+        .zip(rewards.chunks(n))
+        .map(|(c, r)| {
+            // (the first of the rewards within rounding of the highest: the same completion
+            // sampled twice scores alike up to rounding, which differs between layouts)
+            let top = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let best = r.iter().position(|&x| x >= top - BEST_TIE * top.abs().max(1.0)).unwrap_or(0);
+            BestOfN { completions: c.to_vec(), rewards: r.to_vec(), best }
+        })
+        .collect())
+}
+
 /// A reward model as one of GRPO's rewards ([`super::grpo::GrpoConfig::reward_model`]): a
 /// `*ForSequenceClassification` checkpoint of one label, sharing the policy's tokenizer, whose
 /// score of `prompt ++ completion` (at the completion's last token) times `weight` is added to

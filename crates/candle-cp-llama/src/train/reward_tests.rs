@@ -57,3 +57,44 @@ fn margins_are_read_with_the_pairs() -> Result<()> {
     assert!(none.with_margins(Some(vec![1.0, 2.0])).is_err());
     Ok(())
 }
+
+/// Best-of-N: N sampled completions per prompt (prompts of different lengths in one batch),
+/// each scored by a reward model as alone, the best the highest; zigzag CP 2 and TP 2 + SP ×
+/// DP 2 draw the same completions, score them alike and keep the same ones; greedy N > 1 and a
+/// reward model of another vocabulary are refused.
+#[test]
+fn best_of_n_keeps_the_highest_reward_on_every_layout() -> Result<()> {
+    use crate::{init_params_sharded, Layout, Llama, ParallelCtx, Sampling};
+    let (dev, dt) = (Device::Cpu, DType::F32);
+    let pcfg = crate::LlamaConfig::tiny(128, 32, 1, 2, 1);
+    let rcfg = pcfg.clone().with_num_labels(Some(1));
+    let prompts = vec![vec![5u32, 6, 7], vec![9; 5], vec![11, 12]];
+    let sampling = Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 9 };
+    let go = |layout: Layout| -> Result<Vec<BestOfN>> {
+        let out = candle_cp_comm::run_ranks(layout.world_size(), |g| -> Result<Vec<BestOfN>> {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let model = |c: &crate::LlamaConfig, seed: u64| -> Result<Llama> { Llama::new(candle_nn::VarBuilder::from_varmap(&init_params_sharded(c, seed, dt, &ctx, &dev)?, dt, &dev), c, &ctx) };
+            let (p, r) = (model(&pcfg, 3)?, model(&rcfg, 4)?);
+            if layout == Layout::single() {
+                assert!(best_of_n(&p, &r, &prompts, 2, 6, Sampling::Greedy, &[2], 1).unwrap_err().to_string().contains("greedy"));
+                let other = model(&crate::LlamaConfig::tiny(64, 32, 1, 2, 1).with_num_labels(Some(1)), 4)?;
+                assert!(best_of_n(&p, &other, &prompts, 2, 6, sampling, &[2], 1).unwrap_err().to_string().contains("vocabulary"));
+            }
+            best_of_n(&p, &r, &prompts, 4, 6, sampling, &[2], layout.dp)
+        });
+        out.into_iter().next().ok_or_else(|| candle_core::Error::Msg("no rank".into()))?
+    };
+    let one = go(Layout::single())?;
+    assert_eq!(one.len(), 3);
+    for b in &one {
+        assert_eq!((b.completions.len(), b.rewards.len()), (4, 4));
+        assert!(b.rewards.iter().all(|&r| r <= b.rewards[b.best]) && b.rewards.iter().any(|&r| r != b.rewards[0]), "{b:?}");
+    }
+    for layout in [Layout::cp(crate::CpKind::Zigzag, 2), Layout::single().with_tp(2, true).with_dp(2)] {
+        for (a, b) in one.iter().zip(&go(layout)?) {
+            assert_eq!((&a.completions, a.best), (&b.completions, b.best), "{layout}");
+            assert!(a.rewards.iter().zip(&b.rewards).all(|(x, y)| (x - y).abs() < 1e-5 * x.abs().max(1.0)), "{layout}: {:?} vs {:?}", a.rewards, b.rewards);
+        }
+    }
+    Ok(())
+}
