@@ -23,10 +23,10 @@ use candle_core::{DType, Device};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::chat::ChatTemplate;
 use candle_cp_llama::train::reward::{answer_rewards, score_documents};
-use candle_cp_llama::train::sft::read_sft;
+use candle_cp_llama::train::sft::{read_sft, Tokenize};
 use candle_cp_llama::train::PreferenceSet;
 use candle_cp_llama::reward::load_reward_model;
-use candle_cp_llama::{CpKind, Layout, ParallelCtx};
+use candle_cp_llama::{CpKind, Layout, Llama, ParallelCtx};
 use clap::Parser;
 use std::path::PathBuf;
 
@@ -77,59 +77,11 @@ struct Args {
     completions: bool,
 }
 
-/// Every document's reward (`docs` whole, each at most a row) on `layout`; the rows' length.
-fn doc_rewards(dir: &std::path::Path, docs: &[Vec<u32>], layout: Layout, batch: usize, seq_len: Option<usize>) -> anyhow::Result<(Vec<f64>, usize)> {
-    let longest = docs.iter().map(Vec::len).max().unwrap_or(1);
-    let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(Vec<f64>, usize)> {
-        let ctx = ParallelCtx::new(g, layout)?;
-        let model = load_reward_model(dir, &ctx, &Device::Cpu, DType::F32)?;
-        let m = model.forward_multiple();
-        let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
-        Ok((score_documents(&model, docs, batch, t, &Device::Cpu)?, t))
-    });
-    let mut first = None;
-    for r in out {
-        let r = r?;
-        first.get_or_insert(r);
-    }
-    first.context("no rank")
-}
-
-/// `--completions`: every example's reward on one device and on `layout`, compared.
-fn score_completions(a: &Args, text: &str, layout: Layout, chat: Option<ChatTemplate>) -> anyhow::Result<()> {
-    let examples = match &a.tokenizer {
-        None => read_sft(text, &candle_cp_llama::train::sft::bytes_of, a.eos, chat),
-        Some(p) => {
-            let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?;
-            let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> {
-                tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
-            };
-            read_sft(text, &encode, a.eos, chat)
-        }
-    }
-    .with_context(|| format!("--data {}", a.data.display()))?;
-    let docs: Vec<Vec<u32>> = examples.into_iter().map(|(t, _)| t).collect();
-    let (one, t1) = doc_rewards(&a.model, &docs, Layout::single(), a.batch, a.seq_len)?;
-    let (par, tl) = doc_rewards(&a.model, &docs, layout, a.batch, a.seq_len)?;
-    for (i, (x, y)) in one.iter().zip(&par).enumerate().take(a.show) {
-        println!("example {i:>4}: reward {x:>9.4}  ({layout}: {y:>9.4})");
-    }
-    let mean = |r: &[f64]| r.iter().sum::<f64>() / r.len().max(1) as f64;
-    println!("model    : {} ({} examples, rows of {t1} / {tl} tokens, {} per forward)", a.model.display(), docs.len(), a.batch);
-    println!("one      : mean reward {:.4}", mean(&one));
-    println!("layout   : mean reward {:.4}  ({layout})", mean(&par));
-    let worst = one.iter().zip(&par).map(|(x, y)| (x - y).abs() / x.abs().max(1.0)).fold(0.0, f64::max);
-    println!("agree    : max difference {worst:.2e} (relative above 1)");
-    if worst > 1e-4 {
-        bail!("{layout} disagrees with one device: {worst:.2e}")
-    }
-    Ok(())
-}
-
-/// Every answer's reward under the model at `dir` on `layout` (each rank its shards); the
-/// rows' length. Errors come from rank 0 first.
-fn rewards(dir: &std::path::Path, set: &PreferenceSet, layout: Layout, batch: usize, seq_len: Option<usize>) -> anyhow::Result<(Vec<f64>, usize)> {
-    let longest = (0..set.len()).map(|p| set.pair_len(p)).max().unwrap_or(1);
+/// Rank 0's rewards from `score` (the model, the rows' length, the rank's context) on `layout`,
+/// each rank with its shards of the reward model at `dir`; rows of `seq_len` tokens (default:
+/// `longest` rounded up to the layout's multiple). Returns the rows' length too; errors come
+/// from rank 0 first.
+fn on_layout(dir: &std::path::Path, layout: Layout, longest: usize, seq_len: Option<usize>, score: impl Fn(&Llama, usize, &ParallelCtx) -> candle_core::Result<Vec<f64>> + Sync) -> anyhow::Result<(Vec<f64>, usize)> {
     let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(Vec<f64>, usize)> {
         let ctx = ParallelCtx::new(g, layout)?;
         let model = load_reward_model(dir, &ctx, &Device::Cpu, DType::F32)?;
@@ -138,7 +90,7 @@ fn rewards(dir: &std::path::Path, set: &PreferenceSet, layout: Layout, batch: us
         }
         let m = model.forward_multiple();
         let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
-        Ok((answer_rewards(&model, set, batch, t, &ctx, &Device::Cpu)?, t))
+        Ok((score(&model, t, &ctx)?, t))
     });
     let mut first = None;
     for r in out {
@@ -146,6 +98,48 @@ fn rewards(dir: &std::path::Path, set: &PreferenceSet, layout: Layout, batch: us
         first.get_or_insert(r);
     }
     first.context("no rank")
+}
+
+/// `--data` read by `read` through `--tokenizer` (else byte-level ids).
+fn read_data<T>(a: &Args, read: impl Fn(Tokenize) -> candle_core::Result<T>) -> anyhow::Result<T> {
+    match &a.tokenizer {
+        None => read(&candle_cp_llama::train::sft::bytes_of),
+        Some(p) => {
+            let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?;
+            let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> {
+                tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
+            };
+            read(&encode)
+        }
+    }
+    .with_context(|| format!("--data {}", a.data.display()))
+}
+
+/// The largest difference of two runs' rewards, relative above 1.
+fn worst(one: &[f64], other: &[f64]) -> f64 {
+    one.iter().zip(other).map(|(x, y)| (x - y).abs() / x.abs().max(1.0)).fold(0.0, f64::max)
+}
+
+/// `--completions`: every example's reward on one device and on `layout`, compared.
+fn score_completions(a: &Args, text: &str, layout: Layout, chat: Option<ChatTemplate>) -> anyhow::Result<()> {
+    let docs: Vec<Vec<u32>> = read_data(a, |tokenize| read_sft(text, tokenize, a.eos, chat))?.into_iter().map(|(t, _)| t).collect();
+    let longest = docs.iter().map(Vec::len).max().unwrap_or(1);
+    let score = |m: &Llama, t: usize, _: &ParallelCtx| score_documents(m, &docs, a.batch, t, &Device::Cpu);
+    let (one, t1) = on_layout(&a.model, Layout::single(), longest, a.seq_len, score)?;
+    let (par, tl) = on_layout(&a.model, layout, longest, a.seq_len, score)?;
+    for (i, (x, y)) in one.iter().zip(&par).enumerate().take(a.show) {
+        println!("example {i:>4}: reward {x:>9.4}  ({layout}: {y:>9.4})");
+    }
+    let mean = |r: &[f64]| r.iter().sum::<f64>() / r.len().max(1) as f64;
+    println!("model    : {} ({} examples, rows of {t1} / {tl} tokens, {} per forward)", a.model.display(), docs.len(), a.batch);
+    println!("one      : mean reward {:.4}", mean(&one));
+    println!("layout   : mean reward {:.4}  ({layout})", mean(&par));
+    let worst = worst(&one, &par);
+    println!("agree    : max difference {worst:.2e} (relative above 1)");
+    if worst > 1e-4 {
+        bail!("{layout} disagrees with one device: {worst:.2e}")
+    }
+    Ok(())
 }
 
 /// (accuracy, mean margin) of pairs' rewards (`2·p` chosen, `2·p + 1` rejected).
@@ -164,22 +158,14 @@ fn main() -> anyhow::Result<()> {
     if a.completions {
         return score_completions(&a, &text, layout, chat);
     }
-    let set = match &a.tokenizer {
-        None => PreferenceSet::read(&text, &candle_cp_llama::train::sft::bytes_of, a.eos, chat),
-        Some(p) => {
-            let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?;
-            let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> {
-                tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
-            };
-            PreferenceSet::read(&text, &encode, a.eos, chat)
-        }
-    }
-    .with_context(|| format!("--data {}", a.data.display()))?;
+    let set = read_data(&a, |tokenize| PreferenceSet::read(&text, tokenize, a.eos, chat))?;
+    let longest = (0..set.len()).map(|p| set.pair_len(p)).max().unwrap_or(1);
+    let score = |m: &Llama, t: usize, ctx: &ParallelCtx| answer_rewards(m, &set, a.batch, t, ctx, &Device::Cpu);
     let t0 = std::time::Instant::now();
-    let (one, t1) = rewards(&a.model, &set, Layout::single(), a.batch, a.seq_len)?;
+    let (one, t1) = on_layout(&a.model, Layout::single(), longest, a.seq_len, score)?;
     let s1 = t0.elapsed().as_secs_f64();
     let t0 = std::time::Instant::now();
-    let (par, tl) = rewards(&a.model, &set, layout, a.batch, a.seq_len)?;
+    let (par, tl) = on_layout(&a.model, layout, longest, a.seq_len, score)?;
     let sl = t0.elapsed().as_secs_f64();
     for p in 0..a.show.min(set.len()) {
         println!("pair {p:>4}: chosen {:>9.4}  rejected {:>9.4}  ({layout}: {:>9.4} / {:>9.4})", one[2 * p], one[2 * p + 1], par[2 * p], par[2 * p + 1]);
@@ -188,7 +174,7 @@ fn main() -> anyhow::Result<()> {
     println!("model    : {} ({} pairs, rows of {t1} / {tl} tokens, {} per forward)", a.model.display(), set.len(), a.batch);
     println!("one      : accuracy {acc1:.4}  margin {m1:.4}  ({s1:.2}s)");
     println!("layout   : accuracy {accl:.4}  margin {ml:.4}  ({sl:.2}s, {layout})");
-    let worst = one.iter().zip(&par).map(|(x, y)| (x - y).abs() / x.abs().max(1.0)).fold(0.0, f64::max);
+    let worst = worst(&one, &par);
     println!("agree    : max difference {worst:.2e} (relative above 1)");
     if worst > 1e-4 || acc1 != accl {
         bail!("{layout} disagrees with one device: {worst:.2e}, accuracy {accl} vs {acc1}")

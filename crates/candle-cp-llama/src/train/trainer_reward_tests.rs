@@ -64,19 +64,10 @@ fn reward_model_learns_and_matches_on_every_layout() -> Result<()> {
 /// classifier's) reproduces the uninterrupted run, on zigzag CP 2.
 #[test]
 fn resumed_reward_run_is_the_straight_run() -> Result<()> {
-    let layout = crate::Layout::cp(crate::CpKind::Zigzag, 2);
-    let (da, db) = (tmpdir("reward-a"), tmpdir("reward-b"));
-    let a = run(&reward_cfg(Some(da.clone()), layout, 6)?)?;
-    let mut cb = reward_cfg(Some(db.clone()), layout, 6)?;
-    (cb.save_every, cb.stop_after) = (3, Some(4));
-    run(&cb)?;
-    (cb.stop_after, cb.resume) = (None, true);
-    let b = run(&cb)?;
+    let (a, b) = crate::train::grpo::tests::straight_and_resumed(&reward_cfg(None, crate::Layout::cp(crate::CpKind::Zigzag, 2), 6)?, "reward", 3, 4)?;
     assert_eq!(b[0].start_step, 3);
     let tail: Vec<(usize, f64)> = a[0].metrics[3..].iter().map(|m| (m.step, m.train_loss)).collect();
     assert_eq!(tail, b[0].metrics.iter().map(|m| (m.step, m.train_loss)).collect::<Vec<_>>());
-    std::fs::remove_dir_all(&da)?;
-    std::fs::remove_dir_all(&db)?;
     Ok(())
 }
 
