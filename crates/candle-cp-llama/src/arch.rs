@@ -152,12 +152,13 @@ impl Arch {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
     }
 
-    /// The architecture of class `c`: its causal LM (`LlamaForCausalLM`) or its sequence
-    /// classifier (`LlamaForSequenceClassification`, a reward model: [`num_labels`]).
+    /// The architecture of class `c`: its causal LM (`LlamaForCausalLM`), its sequence
+    /// classifier (`LlamaForSequenceClassification`, a reward model: [`num_labels`]) or its
+    /// token classifier (`LlamaForTokenClassification`, a process reward model).
     fn of_class(c: &str) -> Option<Arch> {
         // (Gemma 3's text model's is Gemma3TextForSequenceClassification)
         let c = if c == GEMMA3_TEXT_CLASSIFIER { "Gemma3ForSequenceClassification" } else { c };
-        let causal = c.strip_suffix(SEQUENCE_CLASSIFICATION).map(|stem| format!("{stem}ForCausalLM"));
+        let causal = c.strip_suffix(SEQUENCE_CLASSIFICATION).or_else(|| c.strip_suffix(TOKEN_CLASSIFICATION)).map(|stem| format!("{stem}ForCausalLM"));
         let c = causal.as_deref().unwrap_or(c);
         Arch::ALL.into_iter().find(|a| a.hf_names().0 == c)
     }
@@ -171,6 +172,13 @@ impl Arch {
             (Some(_), Some(stem)) => format!("{stem}{SEQUENCE_CLASSIFICATION}"),
             _ => causal.to_string(),
         }
+    }
+
+    /// The class transformers names this architecture's token classifier by
+    /// (`LlamaForTokenClassification`: a process reward model, [`crate::prm`]).
+    pub fn hf_token_class(self) -> String {
+        let causal = self.hf_names().0;
+        format!("{}{TOKEN_CLASSIFICATION}", causal.strip_suffix("ForCausalLM").unwrap_or(causal))
     }
 
     /// `(architectures[0], model_type)` as transformers writes them.
@@ -370,22 +378,29 @@ impl Arch {
 /// The suffix of transformers' sequence-classification classes (`LlamaForSequenceClassification`).
 const SEQUENCE_CLASSIFICATION: &str = "ForSequenceClassification";
 
+/// The suffix of transformers' token-classification classes (`LlamaForTokenClassification`: a
+/// process reward model, [`crate::prm`]).
+const TOKEN_CLASSIFICATION: &str = "ForTokenClassification";
+
 /// Gemma 3's text model as a sequence classifier (`model_type` `gemma3_text`; transformers'
 /// `Gemma3ForSequenceClassification` is the multimodal model's).
 const GEMMA3_TEXT_CLASSIFIER: &str = "Gemma3TextForSequenceClassification";
 
 /// A reward model's labels from `config.json`: `Some(n)` when `architectures` names a
-/// `*ForSequenceClassification` class — `n` the entries of `id2label`, else `num_labels`, else
-/// transformers' default 2 — `None` for a causal LM. Errors name a config that names both
-/// kinds of class, or an `id2label` / `num_labels` that is not a positive count.
-pub(crate) fn num_labels(m: &Map<String, Value>) -> Result<Option<usize>> {
+/// `*ForSequenceClassification` or a `*ForTokenClassification` class — `n` the entries of
+/// `id2label`, else `num_labels`, else transformers' default 2 — `None` for a causal LM; and
+/// for a token classifier its dropout (`classifier_dropout`, else `hidden_dropout`, else
+/// transformers' 0.1). Errors name a config that names two kinds of class, or an `id2label` /
+/// `num_labels` / dropout out of range.
+pub(crate) fn num_labels(m: &Map<String, Value>) -> Result<(Option<usize>, Option<crate::prm::TokenClassifier>)> {
     let classes: Vec<&str> = m.get("architectures").and_then(|v| v.as_array()).map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
     let seq = classes.iter().filter(|c| c.ends_with(SEQUENCE_CLASSIFICATION)).count();
-    if seq == 0 {
-        return Ok(None);
+    let tok = classes.iter().filter(|c| c.ends_with(TOKEN_CLASSIFICATION)).count();
+    if seq + tok == 0 {
+        return Ok((None, None));
     }
-    if seq != classes.len() {
-        bail!("config.json: `architectures` {classes:?} names a sequence classifier and another class")
+    if seq + tok != classes.len() || seq.min(tok) > 0 {
+        bail!("config.json: `architectures` {classes:?} names a classifier and another class")
     }
     let n = match (m.get("id2label"), m.get("num_labels")) {
         (Some(Value::Object(o)), _) => o.len(),
@@ -394,9 +409,17 @@ pub(crate) fn num_labels(m: &Map<String, Value>) -> Result<Option<usize>> {
         _ => 2,
     };
     if n == 0 {
-        bail!("config.json: a sequence classifier ({}) with no label", classes[0])
+        bail!("config.json: a classifier ({}) with no label", classes[0])
     }
-    Ok(Some(n))
+    if tok == 0 {
+        return Ok((Some(n), None));
+    }
+    // (transformers' token classifiers: classifier_dropout, else hidden_dropout, else 0.1)
+    let p = match ["classifier_dropout", "hidden_dropout"].iter().find_map(|k| m.get(*k).filter(|v| !v.is_null()).map(|v| (k, v))) {
+        Some((k, v)) => v.as_f64().ok_or_else(|| candle_core::Error::Msg(format!("config.json: `{k}` must be a number, got {v}")))?,
+        None => crate::prm::TokenClassifier::HF_DROPOUT,
+    };
+    Ok((Some(n), Some(crate::prm::TokenClassifier::new(p)?)))
 }
 
 #[cfg(test)]
@@ -431,6 +454,20 @@ mod tests {
         assert_eq!(Arch::Gemma3.hf_class(Some(1)), "Gemma3TextForSequenceClassification");
         assert_eq!(Arch::of_class("Gemma3TextForSequenceClassification"), Some(Arch::Gemma3));
         assert_eq!(Arch::Qwen3.hf_class(None), "Qwen3ForCausalLM");
+        // token classifiers (process reward models): labels alike, the dropout before the head
+        for (extra, arch, n, p) in [
+            (r#", "architectures": ["LlamaForTokenClassification"]"#, Arch::Llama, 2, 0.1),
+            (r#", "architectures": ["Qwen2ForTokenClassification"], "model_type": "qwen2", "num_labels": 3, "classifier_dropout": 0.0"#, Arch::Qwen2, 3, 0.0),
+            (r#", "architectures": ["Qwen3ForTokenClassification"], "model_type": "qwen3", "hidden_dropout": 0.25"#, Arch::Qwen3, 2, 0.25),
+        ] {
+            let c = parse(extra)?;
+            assert_eq!((c.arch(), c.num_labels, c.token_classifier.map(|t| t.dropout)), (arch, Some(n), Some(p)), "{extra}");
+            assert_eq!(c.hf_class(), arch.hf_names().0.replace("ForCausalLM", "ForTokenClassification"));
+        }
+        assert_eq!(parse(r#", "architectures": ["LlamaForSequenceClassification"]"#)?.token_classifier, None);
+        assert!(err(r#", "architectures": ["LlamaForTokenClassification", "LlamaForSequenceClassification"]"#).contains("a classifier and another class"));
+        assert!(err(r#", "architectures": ["LlamaForTokenClassification"], "classifier_dropout": 1.0"#).contains("dropout"));
+        assert!(err(r#", "architectures": ["LlamaForTokenClassification"], "classifier_dropout": "x""#).contains("`classifier_dropout` must be a number"));
         Ok(())
     }
 
@@ -462,9 +499,9 @@ mod tests {
         for (extra, want) in [
             (r#", "model_type": "deepseek_vl_v2""#, "model_type `deepseek_vl_v2` not supported"),
             (r#", "architectures": ["DeepseekVLV2ForCausalLM"]"#, "architecture `DeepseekVLV2ForCausalLM` not supported"),
-            (r#", "architectures": ["LlamaForSequenceClassification", "LlamaForCausalLM"]"#, "names a sequence classifier and another class"),
+            (r#", "architectures": ["LlamaForSequenceClassification", "LlamaForCausalLM"]"#, "names a classifier and another class"),
             (r#", "architectures": ["LlamaForSequenceClassification"], "id2label": {}"#, "with no label"),
-            (r#", "architectures": ["LlamaForTokenClassification"]"#, "LlamaForTokenClassification"),
+            (r#", "architectures": ["LlamaForQuestionAnswering"]"#, "LlamaForQuestionAnswering"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),
             (r#", "attention_bias": true"#, "`attention_bias: true` not supported"),

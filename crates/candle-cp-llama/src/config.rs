@@ -150,8 +150,14 @@ pub struct LlamaConfig {
     /// in place of the LM head, read at each sequence's (document's) last token
     /// ([`crate::reward`]); `None`: a causal LM. From `config.json` when its `architectures`
     /// names a `*ForSequenceClassification` class (`id2label`'s entries, else `num_labels`,
-    /// else transformers' default 2).
+    /// else transformers' default 2) or a `*ForTokenClassification` class
+    /// ([`LlamaConfig::token_classifier`]).
     pub num_labels: Option<usize>,
+    /// With [`LlamaConfig::num_labels`]: a token classifier (transformers'
+    /// `*ForTokenClassification`, a process reward model: [`crate::prm`]) — every token
+    /// scored, the head with a bias `score.bias` `[n]` and dropout on its input while training
+    /// — in place of a sequence classifier. `None`: a sequence classifier (or a causal LM).
+    pub token_classifier: Option<crate::prm::TokenClassifier>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -314,6 +320,7 @@ impl LlamaConfig {
             Arch::Granite | Arch::GraniteMoe => Some(granite::parse(m)?),
             _ => None,
         };
+        let (num_labels, token_classifier) = crate::arch::num_labels(m)?;
         let cfg = Self {
             vocab_size: need_usize(m, "vocab_size")?,
             hidden_size,
@@ -355,7 +362,8 @@ impl LlamaConfig {
             },
             mla: None,
             lora: None,
-            num_labels: crate::arch::num_labels(m)?,
+            num_labels,
+            token_classifier,
         };
         // DeepSeek-V3: the latent attention sets the head width the attention runs at
         let cfg = match arch {
@@ -416,6 +424,7 @@ impl LlamaConfig {
             mla: None,
             lora: None,
             num_labels: None,
+            token_classifier: None,
         }
     }
 

@@ -69,7 +69,7 @@ impl LlamaConfig {
             }
             RopeScaling::LongRope { .. } => phi3::write_longrope(&mut rope, &self.rope_scaling, self.max_position_embeddings),
         }
-        let (arch, model_type) = (self.arch().hf_class(self.num_labels), self.arch().hf_names().1);
+        let (arch, model_type) = (self.hf_class(), self.arch().hf_names().1);
         let v = json!({
             "architectures": [arch],
             "model_type": model_type,
@@ -104,6 +104,10 @@ impl LlamaConfig {
             if let Some(n) = self.num_labels {
                 m.insert("id2label".into(), Value::Object((0..n).map(|i| (i.to_string(), json!(format!("LABEL_{i}")))).collect()));
                 m.insert("label2id".into(), Value::Object((0..n).map(|i| (format!("LABEL_{i}"), json!(i))).collect()));
+            }
+            // (a token classifier's dropout on the head's input)
+            if let Some(t) = &self.token_classifier {
+                m.insert("classifier_dropout".into(), json!(t.dropout));
             }
             if self.rope_scaling != RopeScaling::Default {
                 m.insert("rope_scaling".into(), Value::Object(rope));

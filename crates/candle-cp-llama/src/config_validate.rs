@@ -14,6 +14,7 @@ impl LlamaConfig {
             bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
         }
         crate::reward::validate(self)?;
+        crate::prm::validate(self)?;
         phi3::validate(self)?;
         smollm3::validate(self)?;
         granite::validate(self)?;

@@ -272,7 +272,8 @@ pub(crate) fn load_hf_sharded_as(dir: &Path, cfg: LlamaConfig, ctx: &ParallelCtx
     let mut last: Option<(String, Tensor)> = None;
     let mut whole = None;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
-        if let (Some(seed), crate::reward::SCORE) = (new_score, spec.name.as_str()) {
+        // (a token classifier's bias with it)
+        if let (Some(seed), crate::reward::SCORE | crate::prm::SCORE_BIAS) = (new_score, spec.name.as_str()) {
             return crate::params::init_tensor(spec, seed, &cfg);
         }
         param_from_checkpoint(dir, &cfg, spec, prefix, &mut whole, |name| {

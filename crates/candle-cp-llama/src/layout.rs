@@ -537,12 +537,22 @@ pub(crate) fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx:
 /// (its TP region: the whole CP shard, not its SP piece), `[B/dp, Tc]` row-major, as
 /// [`shard_batch`] places the tokens: what the LoRA adapters' dropout masks are keyed on.
 pub fn token_indices(b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<u64>> {
+    indices_of(b, t, ctx, false)
+}
+
+/// [`token_indices`] of this rank's own tokens (its sequence piece under SP, as
+/// [`shard_batch`] gives it the ids): what a token classifier's dropout is keyed on.
+pub fn local_token_indices(b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<u64>> {
+    indices_of(b, t, ctx, ctx.layout.seq_parallel())
+}
+
+fn indices_of(b: usize, t: usize, ctx: &ParallelCtx, sp: bool) -> Result<Vec<u64>> {
     let n = b.checked_mul(t).filter(|&n| n <= u32::MAX as usize);
     let Some(n) = n else { bail!("token_indices: a [{b}, {t}] batch has more tokens than u32 indices") };
     let dev = candle_core::Device::Cpu;
     let idx = Tensor::arange(0u32, n as u32, &dev)?.reshape((b, t))?;
     let pos = Tensor::arange(0u32, t as u32, &dev)?;
-    let parts = shard_tokens_sp(&[idx], &pos, b, t, ctx, false)?;
+    let parts = shard_tokens_sp(&[idx], &pos, b, t, ctx, sp)?;
     Ok(parts[0].flatten_all()?.to_vec1::<u32>()?.into_iter().map(u64::from).collect())
 }
 

@@ -85,6 +85,7 @@ mod moe_lora;
 pub mod lora_select;
 pub mod packed;
 pub mod params;
+pub mod prm;
 pub mod quant;
 pub mod reward;
 mod qk_norm;

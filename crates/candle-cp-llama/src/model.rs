@@ -79,6 +79,8 @@ pub struct Llama {
     pub(crate) lm_head: Tensor,
     /// A reward model's score head `[n, h]` ([`LlamaConfig::num_labels`], [`crate::reward`]).
     pub(crate) score: Option<Tensor>,
+    /// A token classifier's score bias `[n]` ([`LlamaConfig::token_classifier`], [`crate::prm`]).
+    pub(crate) score_bias: Option<Tensor>,
     /// See [`Llama::set_param_hook`].
     param_hook: Mutex<Option<ParamHook>>,
     /// The sparse layers' router statistics of the last forward ([`Llama::router_aux_loss`]).
@@ -152,6 +154,7 @@ impl Llama {
         // (a reward model has no LM head: its score head instead, and `lm_head` is never read —
         // Llama::lm_head refuses)
         let score = cfg.num_labels.map(|_| lb.get(crate::reward::SCORE)).transpose()?;
+        let score_bias = cfg.token_classifier.map(|_| lb.get(crate::prm::SCORE_BIAS)).transpose()?;
         let lm_head = if cfg.tie_word_embeddings || score.is_some() {
             embed.clone()
         } else {
@@ -167,6 +170,7 @@ impl Llama {
             norm,
             lm_head,
             score,
+            score_bias,
             param_hook: Mutex::new(None),
             router_log,
             lora_rows: lb.lora_rows.clone(),

@@ -53,7 +53,7 @@ impl Llama {
     /// reward model, which has a score head instead ([`crate::reward`]).
     pub(crate) fn lm_head(&self) -> Result<&Tensor> {
         match self.cfg.num_labels {
-            Some(n) => bail!("a reward model ({}, {n} label(s)) has no LM head: it scores sequences (Llama::scores_packed), it does not predict tokens", self.cfg.arch().hf_class(Some(n))),
+            Some(n) => bail!("a reward model ({}, {n} label(s)) has no LM head: it scores sequences (Llama::scores_packed), it does not predict tokens", self.cfg.hf_class()),
             None => Ok(&self.lm_head),
         }
     }

@@ -323,7 +323,13 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     add("model.norm.weight".into(), vec![h], norm);
     match cfg.num_labels {
         // a reward model: transformers' score head, no LM head (replicated: it is tiny)
-        Some(n) => add(crate::reward::SCORE.into(), vec![n, h], norm),
+        Some(n) => {
+            add(crate::reward::SCORE.into(), vec![n, h], norm);
+            // (a token classifier's head has a bias: crate::prm)
+            if cfg.token_classifier.is_some() {
+                add(crate::prm::SCORE_BIAS.into(), vec![n], norm);
+            }
+        }
         None if !cfg.tie_word_embeddings => add("lm_head.weight".into(), vec![v, h], vocab),
         None => {}
     }
@@ -463,9 +469,9 @@ pub fn trainable_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
 /// The full f32 host tensor [`init_params`] draws for `spec`.
 pub(crate) fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor> {
     let n: usize = spec.shape.iter().product();
-    if spec.name.ends_with(".lora_B.weight") || spec.keeps_f32() {
+    if spec.name.ends_with(".lora_B.weight") || spec.keeps_f32() || spec.name == crate::prm::SCORE_BIAS {
         // B starts at zero: the adapted model starts as the base model (GLM-4.5's correction
-        // bias at zero too, as transformers starts it)
+        // bias and a token classifier's score bias at zero too, as transformers starts them)
         return Tensor::zeros(spec.shape.as_slice(), DType::F32, &Device::Cpu);
     }
     if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {

@@ -62,6 +62,9 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
 pub fn load_hf_sharded_reward(dir: impl AsRef<Path>, num_labels: usize, seed: u64, ctx: &ParallelCtx, device: &Device, dtype: DType) -> Result<(VarMap, LlamaConfig)> {
     let dir = dir.as_ref();
     let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+    if cfg.token_classifier.is_some() {
+        bail!("{}: a token classifier ({}): load it with crate::prm::load_hf_sharded_token_classifier", dir.display(), cfg.hf_class())
+    }
     match cfg.num_labels {
         Some(n) if n != num_labels => bail!("{}: a reward model of {n} label(s), not {num_labels}", dir.display()),
         Some(_) => crate::hf::load_hf_sharded_as(dir, cfg, ctx, device, dtype, None),

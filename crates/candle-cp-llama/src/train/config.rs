@@ -102,6 +102,10 @@ pub struct TrainConfig {
     /// drawn, its LM head left unread) and the objective is the pairs' Bradley–Terry loss;
     /// checkpoints are `*ForSequenceClassification` models. `None`: a causal LM's objectives.
     pub reward: Option<super::reward::RewardConfig>,
+    /// Train a process reward model on stepwise examples ([`super::DataSource::Steps`],
+    /// [`super::prm`]): the model is a token classifier ([`crate::prm`]: a causal LM's head is
+    /// drawn, its LM head unread), each step's last token classified. `None`: not one.
+    pub prm: Option<super::prm::PrmConfig>,
     /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias; Megatron-Core's
     /// `moe_router_bias_update_rate`, 1e-3 there): after each step every sparse layer's bias
     /// moves by `rate · sign(mean − count)` of the step's global expert counts
@@ -171,6 +175,7 @@ impl TrainConfig {
             dpo: None,
             grpo: None,
             reward: None,
+            prm: None,
             expert_bias_update: None,
             tokenizer: None,
             args: serde_json::Value::Null,

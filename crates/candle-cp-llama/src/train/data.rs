@@ -260,6 +260,9 @@ pub enum DataSource {
     /// Prompts and their reference answers, whose completions GRPO samples and rewards
     /// ([`super::TrainConfig::grpo`], [`super::grpo`]).
     Prompts(super::grpo::PromptSet),
+    /// Stepwise-supervised examples packed whole into each sequence, for a process reward
+    /// model ([`super::TrainConfig::prm`], [`super::prm`]).
+    Steps(super::prm::StepSet),
 }
 
 impl DataSource {
@@ -293,6 +296,7 @@ impl DataSource {
                     DataSource::Text(s) => s.sample(seq_len, &mut rng),
                     DataSource::Packed(s) => s.sample(seq_len, &mut rng),
                     DataSource::Preference(s) => Ok(s.sample(seq_len, &mut rng)?.0),
+                    DataSource::Steps(s) => Ok(s.sample(seq_len, &mut rng)?.0),
                     DataSource::Prompts(_) => bail!("prompts are not rows: GRPO samples their completions (TrainConfig::grpo)"),
                 }
             })
@@ -336,6 +340,14 @@ impl DataSource {
                 }
                 Ok((DataSource::Preference(s.subset(0..n - held)?), DataSource::Preference(s.subset(n - held..n)?)))
             }
+            DataSource::Steps(s) => {
+                let n = s.len();
+                let held = ((n as f64 * fraction).round() as usize).max(1);
+                if held >= n {
+                    bail!("held-out split: {n} stepwise examples, {held} held out leave none to train on")
+                }
+                Ok((DataSource::Steps(s.subset(0..n - held)?), DataSource::Steps(s.subset(n - held..n)?)))
+            }
             DataSource::Prompts(s) => {
                 let n = s.len();
                 let held = ((n as f64 * fraction).round() as usize).max(1);
@@ -355,6 +367,7 @@ impl DataSource {
             DataSource::Packed(s) => s.vocab_needed(),
             DataSource::Preference(s) => s.vocab_needed(),
             DataSource::Prompts(s) => s.vocab_needed(),
+            DataSource::Steps(s) => s.vocab_needed(),
         }
     }
 
@@ -362,6 +375,13 @@ impl DataSource {
     /// (the same rows); errors for other data.
     pub fn preference_rows(&self, seed: u64, step: usize, first_row: usize, count: usize, seq_len: usize) -> Result<Vec<PreferenceRow>> {
         let DataSource::Preference(s) = self else { bail!("preference rows: the data holds no preference pairs") };
+        (first_row..first_row + count).map(|row| s.sample(seq_len, &mut Rng::derive(seed, &[step as u64, row as u64]))).collect()
+    }
+
+    /// [`DataSource::rows`] of stepwise examples with each row's per-token labels (the same
+    /// rows); errors for other data.
+    pub fn step_rows(&self, seed: u64, step: usize, first_row: usize, count: usize, seq_len: usize) -> Result<Vec<super::prm::StepRow>> {
+        let DataSource::Steps(s) = self else { bail!("step rows: the data holds no stepwise examples") };
         (first_row..first_row + count).map(|row| s.sample(seq_len, &mut Rng::derive(seed, &[step as u64, row as u64]))).collect()
     }
 

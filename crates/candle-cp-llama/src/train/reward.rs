@@ -370,7 +370,7 @@ impl RunRewardModel {
 pub(crate) fn check_run(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig) -> Result<()> {
     let Some(r) = &cfg.reward else {
         if let Some(n) = mcfg.num_labels {
-            bail!("train: the model is a reward model ({}, {n} label(s)): train it with reward (--reward-model)", mcfg.arch().hf_class(Some(n)))
+            bail!("train: the model is a reward model ({}, {n} label(s)): train it with reward (--reward-model)", mcfg.hf_class())
         }
         return Ok(());
     };

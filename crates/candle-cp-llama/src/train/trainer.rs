@@ -210,25 +210,21 @@ pub fn train_rank(
             let (vm, c) = load_hf_sharded(&base, &ctx, &dev, cfg.dtype)?;
             (vm, c, Some(st), (base != *dir).then_some(base))
         }
-        // (a reward model: a causal LM's score head drawn, its LM head not read)
-        (None, ModelSource::Hf(dir)) if cfg.reward.is_some() => {
-            let (vm, c) = crate::reward::load_hf_sharded_reward(dir, 1, cfg.seed, &ctx, &dev, cfg.dtype)?;
-            (vm, c, None, Some(dir.clone()))
-        }
         (None, ModelSource::Hf(dir)) => {
-            let (vm, c) = load_hf_sharded(dir, &ctx, &dev, cfg.dtype)?;
+            // (a reward model or a PRM: a causal LM's score head drawn, its LM head not read)
+            let (vm, c) = match super::classifier::load_new_head(cfg, dir, &ctx, &dev)? {
+                Some(loaded) => loaded,
+                None => load_hf_sharded(dir, &ctx, &dev, cfg.dtype)?,
+            };
             (vm, c, None, Some(dir.clone()))
         }
         (None, ModelSource::Init(c)) => {
             cfg.layout.validate(c.num_attention_heads, c.num_key_value_heads)?;
-            let c = match (&cfg.reward, c.num_labels) {
-                (Some(_), None) => c.clone().with_num_labels(Some(1)),
-                _ => c.clone(),
-            };
+            let c = super::classifier::init_config(cfg, c)?;
             (init_params_sharded(&c, cfg.seed, cfg.dtype, &ctx, &dev)?, c, None, None)
         }
     };
-    super::reward::check_run(cfg, &mcfg)?;
+    super::classifier::check_run(cfg, &mcfg)?;
     let window_changed = cfg.sliding_window.is_some() && cfg.sliding_window != mcfg.sliding_window;
     if cfg.sliding_window.is_some() {
         mcfg.sliding_window = cfg.sliding_window;
@@ -268,7 +264,7 @@ pub fn train_rank(
     // (a causal LM read as a reward model changed too: its base is the reward model, score
     // head drawn, written once)
     let head_changed = match (&resume_from, &cfg.model) {
-        (None, ModelSource::Hf(d)) if cfg.reward.is_some() => crate::LlamaConfig::from_file(d.join("config.json"))?.num_labels.is_none(),
+        (None, ModelSource::Hf(d)) => super::classifier::head_changed(cfg, d)?,
         _ => false,
     };
     let lora_base = match (&cfg.lora, &cfg.out) {
@@ -509,23 +505,11 @@ pub fn train_rank(
                 (_, Some(g)) if g.cfg.top_entropy_quantile < 1.0 => Some(crate::head_loss::HeadStat::Entropy),
                 _ => None,
             };
-            // (a reward model: its scores of the rows' answers and their pairs' loss; it has no
-            // LM head, so no per-token losses)
-            let reward_loss = match (&cfg.reward, &docs) {
-                (Some(r), Some(_)) => {
-                    let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
-                    let scores = model.scores_packed(&ids_d, &pos_d, &sb.documents)?;
-                    let margins = match &cfg.data {
-                        super::DataSource::Preference(s) => s.margins(),
-                        _ => None,
-                    };
-                    Some(super::reward::RewardBatch::new(&rows, cfg.seq_len)?.loss(&scores, margins, r, &ctx, &token_group)?)
-                }
-                (Some(_), None) => bail!("train: a reward model trains on preference rows (packed documents)"),
-                (None, _) => None,
-            };
+            // (a reward model or a PRM: its score head's loss; it has no LM head, so no per-token
+            // losses)
+            let head_loss = super::classifier::micro_loss(&model, cfg, (step, micro), (&sb, &ids_d, &pos_d), &ctx, &token_group)?;
             let (nll, sq) = match (&docs, stat) {
-                _ if reward_loss.is_some() => (Tensor::zeros(ids_d.dims(), candle_core::DType::F32, &dev)?, None),
+                _ if head_loss.is_some() => (Tensor::zeros(ids_d.dims(), candle_core::DType::F32, &dev)?, None),
                 (Some(_), Some(st)) => {
                     let (n, q) = model.token_nll_packed_stat(&ids_d, &labels_d, &pos_d, &sb.documents, st)?;
                     (n, Some(q))
@@ -549,12 +533,12 @@ pub fn train_rank(
             // the linearised sum `Σ w_t·nll_t` — far larger than the loss where the weights are,
             // as under an α-divergence without a reference — to float32's precision)
             let (loss, mut exact) = match (&mut dpo, &grpo) {
-                _ if reward_loss.is_some() => match reward_loss {
-                    Some((l, t)) => {
-                        (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin);
-                        (l, Some(t.loss))
+                _ if head_loss.is_some() => match head_loss {
+                    Some(h) => {
+                        (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + h.accuracy, dpo_sums[1] + h.margin.unwrap_or(0.0));
+                        (h.node, Some(h.loss))
                     }
-                    None => bail!("train: internal error (reward loss)"),
+                    None => bail!("train: internal error (score head's loss)"),
                 },
                 // (GRPO: the completions' tokens, marked, weighted by their advantages and
                 // clipped ratios)
@@ -686,10 +670,10 @@ pub fn train_rank(
                 eval_reward = grpo.as_ref().map(|g| g.evaluate(&model, &ctx)).transpose()?.flatten();
                 (None, None, None)
             }
-            Some(e) if e.due(step + 1, cfg.steps) && cfg.reward.is_some() => {
+            Some(e) if e.due(step + 1, cfg.steps) && super::classifier::trains_head(cfg) => {
                 param_gather.finish()?;
-                let t = super::reward::evaluate_run(&model, cfg, e, &ctx, &dev)?;
-                (Some(t.loss), None, Some(t.accuracy))
+                let t = super::classifier::evaluate(&model, cfg, e, &ctx, &dev)?;
+                (t.map(|t| t.0), None, t.map(|t| t.1))
             }
             Some(e) if e.due(step + 1, cfg.steps) => {
                 param_gather.finish()?;
@@ -701,9 +685,9 @@ pub fn train_rank(
         let row = StepMetrics {
             step: step + 1,
             train_loss: objective * inv_accum,
-            // (a reward model's: its pairs' loss; no per-token loss)
-            loss: if cfg.reward.is_some() { objective * inv_accum } else { tot[0] / tot[1].max(1.0) },
-            long_range_loss: if tot[3] > 0.0 && cfg.reward.is_none() {
+            // (a reward model's or a PRM's: its head's loss; no per-token loss)
+            loss: if super::classifier::trains_head(cfg) { objective * inv_accum } else { tot[0] / tot[1].max(1.0) },
+            long_range_loss: if tot[3] > 0.0 && !super::classifier::trains_head(cfg) {
                 Some(tot[2] / tot[3])
             } else {
                 None
@@ -718,7 +702,7 @@ pub fn train_rank(
             expert_counts,
             eval_loss,
             eval_long_range_loss,
-            dpo_accuracy: (dpo.is_some() || cfg.reward.is_some()).then(|| dpo_sums[0] * inv_accum),
+            dpo_accuracy: (dpo.is_some() || super::classifier::trains_head(cfg)).then(|| dpo_sums[0] * inv_accum),
             dpo_margin: (dpo.is_some() || cfg.reward.is_some()).then(|| dpo_sums[1] * inv_accum),
             kto_kl: dpo.as_ref().filter(|d| d.cfg.loss == super::DpoLoss::Kto).map(|_| dpo_sums[2] * inv_accum),
             bco_delta: dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running.mean),
@@ -815,3 +799,7 @@ mod bco_tests;
 #[cfg(test)]
 #[path = "trainer_reward_tests.rs"]
 mod reward_tests;
+
+#[cfg(test)]
+#[path = "trainer_prm_tests.rs"]
+mod prm_tests;

@@ -1,0 +1,135 @@
+//! Unit tests of stepwise data (TRL's tokenisation, packing) and the PRM loss.
+use super::*;
+use crate::train::sft::bytes_of;
+
+/// `n` byte-level stepwise examples from `seed`: a prompt of letters and `=`, its answer (the
+/// letters reversed, upper case) in two or three steps, each step right (label true) or a
+/// random one (false, and so are the steps after it: Math-Shepherd's labels).
+pub(crate) fn steps_text(n: usize, seed: u64) -> String {
+    let mut rng = Rng::new(seed);
+    let mut out = String::new();
+    for _ in 0..n {
+        let p: String = (0..4 + rng.below(5)).map(|_| (b'a' + rng.below(12) as u8) as char).collect();
+        let answer: Vec<char> = p.chars().rev().map(|x| x.to_ascii_uppercase()).collect();
+        let parts = 2 + rng.below(2);
+        let size = answer.len().div_ceil(parts);
+        let (mut steps, mut labels, mut right) = (Vec::new(), Vec::new(), true);
+        for chunk in answer.chunks(size) {
+            let good = rng.below(10) < 7;
+            let s: String = if good { chunk.iter().collect() } else { (0..chunk.len()).map(|_| (b'A' + rng.below(12) as u8) as char).collect() };
+            right &= good || s.chars().eq(chunk.iter().copied());
+            steps.push(format!("\"{s}\""));
+            labels.push(right.to_string());
+        }
+        out.push_str(&format!("{{\"prompt\": \"{p}=\", \"completions\": [{}], \"labels\": [{}]}}\n", steps.join(", "), labels.join(", ")));
+    }
+    out
+}
+
+/// TRL's tokenisation: the prompt with its special tokens, each step then the separator, the
+/// label on the separator's last token; bools and class numbers; errors named by line.
+#[test]
+fn reads_trl_stepwise_lines() -> Result<()> {
+    // (a tokenizer with a BOS (1) and a two-token separator)
+    let tok = |s: &str, special: bool| -> Result<Vec<u32>> { Ok(special.then_some(1).into_iter().chain(s.bytes().map(u32::from)).collect()) };
+    let text = "{\"prompt\": \"ab\", \"completions\": [\"c\", \"de\"], \"labels\": [true, 0]}\n\n{\"prompt\": \"x\", \"completions\": [\"y\"], \"labels\": [2]}\n";
+    let set = StepSet::read(text, &tok, "\n.")?;
+    assert_eq!(set.len(), 2);
+    let (t, l) = &set.docs[0];
+    let i = IGNORE;
+    assert_eq!(*t, [1, 97, 98, 99, 10, 46, 100, 101, 10, 46]);
+    assert_eq!(*l, [i, i, i, i, i, 1, i, i, i, 0]);
+    assert_eq!(set.docs[1].1, [i, i, i, i, 2]);
+    assert_eq!((set.classes_needed(), set.vocab_needed()), (3, 122));
+    // the last step only (TRL's train_on_last_step_only)
+    let last = set.clone().last_step_only();
+    assert_eq!(last.docs[0].1, [i, i, i, i, i, i, i, i, i, 0]);
+    assert_eq!(last.docs[1].1, set.docs[1].1);
+    for (bad, want) in [
+        ("{\"prompt\": \"a\", \"completions\": [\"b\"], \"labels\": []}", "line 1: 1 steps and 0 labels"),
+        ("{\"prompt\": \"a\", \"completions\": [\"b\"], \"labels\": [\"yes\"]}", "a label must be a bool or a class number"),
+        ("{\"prompt\": \"a\", \"completions\": [3], \"labels\": [true]}", "a step must be a string"),
+        ("\n{\"prompt\": \"a\", \"chosen\": \"b\"}", "line 2: expected {\"prompt\""),
+        ("", "no example"),
+    ] {
+        let e = StepSet::read(bad, &tok, "\n").unwrap_err().to_string();
+        assert!(e.contains(want), "{bad}: {e}");
+    }
+    assert!(StepSet::read(text, &tok, "").unwrap_err().to_string().contains("has no token"));
+    assert!(StepSet::from_examples(vec![(vec![1, 2], vec![IGNORE, IGNORE])]).unwrap_err().to_string().contains("no labelled step"));
+    Ok(())
+}
+
+/// Rows pack whole examples from a random one on, labels beside their tokens, the padding
+/// unlabelled; an example longer than a row is cut to it; in order, every example once.
+#[test]
+fn rows_pack_examples_whole_or_cut_to_the_row() -> Result<()> {
+    let set = StepSet::read(&steps_text(20, 3), &bytes_of, "\n")?;
+    for seed in 0..20 {
+        let (s, labels) = set.sample(48, &mut Rng::new(seed))?;
+        assert_eq!((s.tokens.len(), labels.len()), (48, 48));
+        let docs = s.documents.expect("documents");
+        let mut at = 0;
+        for (k, len) in docs.lengths().into_iter().enumerate() {
+            let (toks, labs) = (&s.tokens[at..at + len], &labels[at..at + len]);
+            match set.docs.iter().find(|(t, _)| t.as_slice() == toks) {
+                Some((_, l)) => assert_eq!(l.as_slice(), labs, "seed {seed}: document {k}'s labels"),
+                // (the padding, the last document)
+                None => assert!(k == docs.count() - 1 && labs.iter().all(|&x| x == IGNORE) && toks.iter().all(|&x| x == 0), "seed {seed}: document {k}"),
+            }
+            at += len;
+        }
+        assert_eq!(s.long_range, labels.iter().map(|&l| l != IGNORE).collect::<Vec<_>>());
+    }
+    // rows shorter than an example: its first tokens and labels
+    let (s, labels) = set.sample(6, &mut Rng::new(0))?;
+    let e = set.docs.iter().find(|(t, _)| t[..6] == s.tokens[..]).expect("a cut example");
+    assert_eq!(labels, e.1[..6]);
+    let rows = set.in_order(48)?;
+    let n: usize = rows.iter().map(|(s, _)| s.documents.as_ref().map_or(0, |d| d.count())).sum::<usize>() - rows.iter().filter(|(s, _)| s.tokens.last() == Some(&0)).count();
+    assert_eq!(n, set.len(), "every example once");
+    Ok(())
+}
+
+/// The loss is the mean cross-entropy over the labelled tokens (computed by hand in f64), the
+/// accuracy the fraction whose highest logit is the label, and the node's gradient
+/// `(softmax − onehot) / count` at the labelled tokens, 0 elsewhere.
+#[test]
+fn loss_is_the_mean_cross_entropy_of_the_labelled_tokens() -> Result<()> {
+    let set = StepSet::from_examples(vec![(vec![5, 6, 7, 8], vec![IGNORE, 1, IGNORE, 0]), (vec![9, 9], vec![2, IGNORE])])?;
+    let rows = set.in_order(6)?;
+    assert_eq!(rows.len(), 1);
+    let out = candle_cp_comm::run_ranks(1, |g| -> Result<()> {
+        let ctx = crate::ParallelCtx::new(g, crate::Layout::single())?;
+        check_loss(&rows, &ctx)
+    });
+    out.into_iter().collect()
+}
+
+fn check_loss(rows: &[StepRow], ctx: &crate::ParallelCtx) -> Result<()> {
+    let vals: Vec<f32> = (0..18).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.3).collect();
+    let var = candle_core::Var::from_vec(vals.clone(), (1, 6, 3), &Device::Cpu)?;
+    let (node, t) = rows_loss(rows, var.as_tensor(), ctx, ctx.token_group())?;
+    let labels = [IGNORE, 1, IGNORE, 0, 2, IGNORE];
+    let (mut want, mut right) = (0f64, 0f64);
+    let mut grad = vec![0f64; 18];
+    for (k, &c) in labels.iter().enumerate().filter(|(_, &c)| c != IGNORE) {
+        let z: Vec<f64> = vals[3 * k..3 * k + 3].iter().map(|&x| x as f64).collect();
+        let lse = z.iter().map(|x| x.exp()).sum::<f64>().ln();
+        want += lse - z[c as usize];
+        right += (z.iter().cloned().fold(f64::NEG_INFINITY, f64::max) == z[c as usize]) as u8 as f64;
+        for j in 0..3 {
+            grad[3 * k + j] = ((z[j] - lse).exp() - (j == c as usize) as u8 as f64) / 3.0;
+        }
+    }
+    assert!((t.loss - want / 3.0).abs() < 1e-6 && (t.accuracy - right / 3.0).abs() < 1e-12 && t.count == 3.0, "{t:?} vs {}", want / 3.0);
+    assert!((node.to_scalar::<f32>()? as f64 - t.loss).abs() < 1e-6);
+    let g: Vec<f32> = node.backward()?.get(var.as_tensor()).expect("grad").flatten_all()?.to_vec1()?;
+    for (a, b) in g.iter().zip(&grad) {
+        assert!((*a as f64 - b).abs() < 1e-6, "{g:?} vs {grad:?}");
+    }
+    // a label the head lacks
+    let e = rows_loss(rows, &Tensor::zeros((1, 6, 2), candle_core::DType::F32, &Device::Cpu)?, ctx, ctx.token_group()).unwrap_err().to_string();
+    assert!(e.contains("label 2 for a head of 2"), "{e}");
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! Trainer tests of process reward models ([`crate::train::prm`]) on stepwise examples.
+use super::dpo_tests::{follows_on_layouts, with_held_out};
+use super::tests::{run, tiny_cfg, tmpdir};
+use super::*;
+use crate::train::{PrmConfig, StepSet};
+use crate::Layout;
+use std::path::PathBuf;
+
+/// 32 byte-level stepwise examples in rows of 64 (batch 2), a tiny model from random init made
+/// a token classifier of 2 labels with dropout 0.1.
+fn prm_cfg(out: Option<PathBuf>, layout: Layout, steps: usize) -> Result<TrainConfig> {
+    let set = StepSet::read(&crate::train::prm::tests::steps_text(32, 7), &crate::train::sft::bytes_of, "\n")?;
+    let mut c = tiny_cfg(out, layout, 2, 1);
+    (c.data, c.model, c.seq_len, c.steps) = (DataSource::Steps(set), ModelSource::Init(crate::LlamaConfig::tiny(128, 32, 1, 2, 1)), 64, steps);
+    c.schedule.total = steps;
+    c.prm = Some(PrmConfig { num_labels: 2, dropout: Some(0.1) });
+    Ok(c)
+}
+
+/// A PRM learns the step labels (the loss falls from about ln 2, the held-out steps evaluated);
+/// zigzag CP 2, ring CP 2 × DP 2 and TP 2 + SP follow the single-device curve with dropout on
+/// (loss, gradient norm, held-out loss); the checkpoint is a `LlamaForTokenClassification`
+/// with its dropout, which trains on; refusals.
+#[test]
+fn prm_learns_and_matches_on_every_layout() -> Result<()> {
+    let out = tmpdir("prm");
+    let one = run(&with_held_out(prm_cfg(Some(out.clone()), Layout::single(), 16)?)?)?;
+    let m = &one[0].metrics;
+    let last = m.last().expect("steps");
+    let early: f64 = m[..4].iter().map(|s| s.train_loss).sum::<f64>() / 4.0;
+    let late: f64 = m[12..].iter().map(|s| s.train_loss).sum::<f64>() / 4.0;
+    assert!(early > 0.5 && late < early - 0.05, "{early} → {late}");
+    assert!(last.dpo_accuracy.is_some_and(|a| a > 0.5) && last.dpo_margin.is_none() && last.eval_dpo_accuracy.is_some(), "{last:?}");
+    assert!(m[1].eval_loss.is_some() && m[0].eval_loss.is_none(), "{:?}", m[1]);
+    assert!((last.loss - last.train_loss).abs() < 1e-12, "the reported loss is the objective");
+    let want: Vec<&StepMetrics> = m[..4].iter().collect();
+    follows_on_layouts("PRM", &want, |layout| {
+        let mut c = with_held_out(prm_cfg(None, layout, 16)?)?;
+        c.stop_after = Some(4);
+        Ok(c)
+    })?;
+    // dropout draws: another dropout, another curve
+    let mut nodrop = with_held_out(prm_cfg(None, Layout::single(), 16)?)?;
+    (nodrop.stop_after, nodrop.prm) = (Some(2), Some(PrmConfig { num_labels: 2, dropout: Some(0.0) }));
+    let n = run(&nodrop)?;
+    assert!((n[0].metrics[1].train_loss - m[1].train_loss).abs() > 1e-7, "dropout changes the run");
+    // the checkpoint: a token classifier transformers reads, its dropout kept; it trains on
+    let ck = crate::train::checkpoint::latest_checkpoint(out.join("checkpoints"))?.expect("a checkpoint");
+    let cfg = crate::LlamaConfig::from_file(ck.join("config.json"))?;
+    assert_eq!((cfg.num_labels, cfg.hf_class(), cfg.token_classifier.map(|t| t.dropout)), (Some(2), "LlamaForTokenClassification".to_string(), Some(0.1)));
+    let mut more = prm_cfg(None, Layout::single(), 2)?;
+    (more.model, more.prm) = (ModelSource::Hf(ck.clone()), Some(PrmConfig::default()));
+    let again = run(&more)?;
+    assert!(again[0].metrics[0].train_loss < early, "from the trained PRM: {} vs {early}", again[0].metrics[0].train_loss);
+    // a PRM trains by its own loss, on stepwise data, with a head holding the labels
+    let mut lm = prm_cfg(None, Layout::single(), 2)?;
+    (lm.model, lm.prm) = (ModelSource::Hf(ck.clone()), None);
+    assert!(run(&lm).unwrap_err().to_string().contains("is a reward model"));
+    let mut both = prm_cfg(None, Layout::single(), 2)?;
+    both.reward = Some(crate::train::RewardConfig::default());
+    assert!(run(&both).unwrap_err().to_string().contains("not with reward"));
+    let mut three = prm_cfg(None, Layout::single(), 2)?;
+    three.model = ModelSource::Hf(ck.clone());
+    three.prm = Some(PrmConfig { num_labels: 3, dropout: None });
+    assert!(run(&three).unwrap_err().to_string().contains("2 label(s), not 3"));
+    let mut recall = prm_cfg(None, Layout::single(), 2)?;
+    recall.data = DataSource::Recall(crate::train::KvRecall::new(64)?);
+    assert!(run(&recall).unwrap_err().to_string().contains("trains on stepwise examples"));
+    let mut bad = prm_cfg(None, Layout::single(), 2)?;
+    bad.eval = Some(crate::train::EvalConfig { data: DataSource::Recall(crate::train::KvRecall::new(64)?), every: 1, batches: 1 });
+    assert!(run(&bad).unwrap_err().to_string().contains("held-out data must be stepwise examples"));
+    let mut one_label = prm_cfg(None, Layout::single(), 2)?;
+    one_label.prm = Some(PrmConfig { num_labels: 1, dropout: None });
+    assert!(run(&one_label).unwrap_err().to_string().contains("the data labels 2 classes"));
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
+
+/// A PRM run killed after step 4 and resumed from its step-3 checkpoint (a token classifier's)
+/// reproduces the uninterrupted run (dropout's masks included), on ring CP 2 × DP 2.
+#[test]
+fn resumed_prm_run_is_the_straight_run() -> Result<()> {
+    let (a, b) = crate::train::grpo::tests::straight_and_resumed(&prm_cfg(None, crate::Layout::cp(crate::CpKind::Ring, 2).with_dp(2), 6)?, "prm", 3, 4)?;
+    assert_eq!(b[0].start_step, 3);
+    let tail: Vec<(usize, f64)> = a[0].metrics[3..].iter().map(|m| (m.step, m.train_loss)).collect();
+    assert_eq!(tail, b[0].metrics.iter().map(|m| (m.step, m.train_loss)).collect::<Vec<_>>());
+    Ok(())
+}
