@@ -477,6 +477,8 @@ pub(crate) struct Args {
     pub(crate) timeout: u64,
     #[command(flatten)]
     pub(crate) grpo: super::grpo_args::GrpoArgs,
+    #[command(flatten)]
+    pub(crate) prm: super::prm_args::PrmArgs,
 }
 
 impl Args {
@@ -561,6 +563,10 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.grpo.grpo && (a.data.is_none() || a.sft || a.preference() || a.pack_docs) {
         bail!("--grpo samples completions of the prompts of --data FILE.jsonl (prompt / completion examples): without --sft, --dpo, --kto, --bco or --pack-docs")
     }
+    a.prm.check()?;
+    if a.prm.prm && (a.data.is_none() || a.sft || a.preference() || a.grpo.grpo || a.pack_docs) {
+        bail!("--prm trains on the stepwise examples of --data FILE.jsonl: without --sft, --dpo, --kto, --bco, --reward-model, --grpo or --pack-docs")
+    }
     if [a.dpo, a.kto, a.bco, a.reward_model].iter().filter(|&&x| x).count() > 1 {
         bail!("--dpo, --kto, --bco and --reward-model are objectives: give one")
     }
@@ -606,6 +612,18 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
 /// --tokenizer, packed documents with --pack-docs; and its description.
 pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Result<(DataSource, String)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {flag} {}", path.display()))?;
+    if a.prm.prm {
+        return match &a.tokenizer {
+            None => a.prm.read(path, &bytes, flag, &candle_cp_llama::train::sft::bytes_of),
+            Some(tp) => {
+                let tok = load_tokenizer(tp)?;
+                let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> {
+                    tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
+                };
+                a.prm.read(path, &bytes, flag, &encode)
+            }
+        };
+    }
     if a.sft || a.preference() || a.grpo.grpo {
         return sft_source(a, path, &bytes, flag);
     }

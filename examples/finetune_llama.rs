@@ -35,6 +35,8 @@ mod args;
 mod grpo_args;
 #[path = "finetune_launch.rs"]
 mod launch;
+#[path = "finetune_prm.rs"]
+mod prm_args;
 
 use anyhow::{bail, Result};
 use candle_core::DType;
@@ -67,6 +69,8 @@ fn main() -> Result<()> {
             (train, Some(candle_cp_llama::train::EvalConfig { data: held, every, batches: a.eval_batches }))
         }
     };
+    // (--train-on-last-step-only: the training examples' last steps; the held-out ones whole)
+    let data = a.prm.training_data(data);
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
         Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.granite || a.olmo3 || a.olmoe || a.exaone4 || a.glm4 || a.glm || a.glm4_moe || a.deepseek || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --olmoe, --exaone4, --glm4, --glm, --glm4-moe, --deepseek, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
@@ -261,6 +265,7 @@ fn main() -> Result<()> {
         zero1: a.zero1,
         zero2: a.zero2,
         long_range_only,
+        prm: a.prm.config()?,
         reward: a.reward_model.then_some(candle_cp_llama::train::RewardConfig { center_rewards_coefficient: a.center_rewards_coefficient }),
         dpo: match a.preference() && !a.reward_model {
             true => Some(candle_cp_llama::train::DpoConfig {
@@ -365,6 +370,7 @@ fn main() -> Result<()> {
             DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
             DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
             DataSource::Recall(_) => "fresh samples of the task".to_string(),
+            DataSource::Steps(s) => format!("{} stepwise examples{}", s.len(), if a.eval_data.is_some() { " of --eval-data" } else { ", the last of --data, kept out of training" }),
             DataSource::Prompts(s) => format!("{} prompts{}", s.len(), if a.eval_data.is_some() { " of --eval-data" } else { ", the last of --data, kept out of training" }),
             DataSource::Preference(s) => format!(
                 "{} {}{}",
@@ -375,11 +381,12 @@ fn main() -> Result<()> {
         };
         match &e.data {
             DataSource::Preference(_) => say!("eval     : every {} steps, {} loss and reward accuracy over all {what}", e.every, if a.kto { "KTO" } else if a.bco { "BCO" } else if a.reward_model { "pair" } else { "DPO" }),
+            DataSource::Steps(_) => say!("eval     : every {} steps, the step labels' loss and accuracy over all {what}", e.every),
             DataSource::Prompts(_) => say!("eval     : every {} steps, the mean reward of a greedy completion of each of the {what}", e.every),
             _ => say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch),
         }
     }
-    if let DataSource::Packed(_) | DataSource::Preference(_) = &cfg.data {
+    if let DataSource::Packed(_) | DataSource::Preference(_) | DataSource::Steps(_) = &cfg.data {
         // the first step's rows (batches are a pure function of (seed, step, row))
         let rows = cfg.data.rows(cfg.seed, 0, 0, batch, a.seq_len)?;
         let counts: Vec<usize> = rows
@@ -432,6 +439,13 @@ fn main() -> Result<()> {
             g.max_completion_length,
             g.stop.first().map_or(String::new(), |e| format!(" (ending at {e})")),
             a.grpo.reward
+        );
+    } else if let Some(p) = &cfg.prm {
+        say!(
+            "objective: process reward model (token classifier, {} labels for a new head, dropout {}), cross-entropy at each step's last token{}",
+            p.num_labels,
+            p.dropout.map_or("the checkpoint's (0.1 for a new head)".to_string(), |d| d.to_string()),
+            if a.prm.train_on_last_step_only { " (each example's last step only)" } else { "" }
         );
     } else if let Some(r) = &cfg.reward {
         say!("objective: reward model (score head at each answer's last token), -log sigmoid(r_chosen - r_rejected){}", if r.center_rewards_coefficient > 0.0 { format!(" + {} x (r_chosen + r_rejected)^2", r.center_rewards_coefficient) } else { String::new() });
@@ -587,7 +601,7 @@ fn main() -> Result<()> {
             .long_range_loss
             .map_or(String::new(), |x| format!("  {marked} {x:.3}"));
         let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
-        let aux = aux + &m.dpo_accuracy.zip(m.dpo_margin).map_or(String::new(), |(acc, mg)| format!("  acc {acc:.2}  margin {mg:.3}"));
+        let aux = aux + &m.dpo_accuracy.map_or(String::new(), |acc| format!("  acc {acc:.2}")) + &m.dpo_margin.map_or(String::new(), |mg| format!("  margin {mg:.3}"));
         let aux = aux + &m.kto_kl.map_or(String::new(), |k| format!("  kl {k:.3}"));
         let aux = aux + &m.bco_delta.map_or(String::new(), |d| format!("  delta {d:.3}"));
         let aux = aux + &m.grpo_reward.zip(m.completion_length).map_or(String::new(), |(r, l)| format!("  reward {r:.3}  len {l:.1}"));
@@ -639,7 +653,7 @@ fn main() -> Result<()> {
     };
     println!(
         "model    : {} {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {}{window})",
-        c.arch().hf_class(c.num_labels),
+        c.hf_class(),
         o.n_params,
         c.hidden_size,
         c.num_hidden_layers,
@@ -666,10 +680,11 @@ fn main() -> Result<()> {
             a.quantize_base.as_deref().map(|q| format!(" (projections quantized: {q})")).unwrap_or_default()
         );
     }
-    if let (Some(first), Some(last), true) = (o.metrics.first(), o.metrics.last(), a.reward_model) {
-        // (a reward model: its pairs' loss and accuracy, no per-token loss)
+    if let (Some(first), Some(last), true) = (o.metrics.first(), o.metrics.last(), a.reward_model || a.prm.prm) {
+        // (a reward model: its pairs' loss and accuracy, no per-token loss; a PRM: its steps')
         let acc = |m: &candle_cp_llama::train::StepMetrics| m.dpo_accuracy.map_or("-".to_string(), |x| format!("{x:.2}"));
-        println!("summary  : steps {}..{}  pair loss {:.3} -> {:.3}  accuracy {} -> {}", first.step, last.step, first.train_loss, last.train_loss, acc(first), acc(last));
+        let what = if a.prm.prm { "step" } else { "pair" };
+        println!("summary  : steps {}..{}  {what} loss {:.3} -> {:.3}  accuracy {} -> {}", first.step, last.step, first.train_loss, last.train_loss, acc(first), acc(last));
     } else if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(
