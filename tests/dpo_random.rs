@@ -14,7 +14,8 @@
 //! updates, on every rank. A run the trainer
 //! refuses must be refused for a reason the draw explains. Reward models (a score head on the
 //! same pairs, the Bradley–Terry loss with or without TRL's centring term) are drawn the same
-//! way and held to the same bounds.
+//! way and held to the same bounds, and so are process reward models (a token classifier with
+//! a drawn dropout, 2 or 3 labels, on drawn stepwise examples, all steps labelled or the last).
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::Result;
@@ -22,7 +23,7 @@ use candle_cp_llama::layout::Layout;
 use candle_cp_llama::train::sft::bytes_of;
 use candle_cp_llama::train::dpo::RefSync;
 use candle_cp_llama::train::dpo_loss::FDivergence;
-use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, RewardConfig, Rng, StepMetrics, TrainConfig, TrainOutcome};
+use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, PrmConfig, RewardConfig, Rng, StepMetrics, StepSet, TrainConfig, TrainOutcome};
 use candle_cp_llama::LlamaConfig;
 use candle_cp_tests::draws::{pick, rng, seeds};
 use candle_cp_tests::train_draws::{assert_explained, draw_run, run};
@@ -180,6 +181,70 @@ fn random_reward_model_runs_follow_one_device() -> Result<()> {
         }
     }
     println!("{checked} reward-model configurations checked against one device, {refused} refused");
+    assert!(checked > 0, "every draw refused");
+    Ok(())
+}
+
+/// Byte-level stepwise examples drawn from `seed`: a prompt of letters, its reverse in capitals
+/// in 1–3 steps, each right or random, labelled right while every step so far is (or, with 3
+/// labels, 2 for a right step after a wrong one).
+fn steps(seed: u64, labels: usize) -> Result<StepSet> {
+    let mut r = Rng::new(seed);
+    let mut text = String::new();
+    for _ in 0..10 {
+        let p: String = (0..2 + r.below(6)).map(|_| (b'a' + r.below(12) as u8) as char).collect();
+        let answer: Vec<char> = p.chars().rev().map(|x| x.to_ascii_uppercase()).collect();
+        let (mut s, mut l, mut right) = (Vec::new(), Vec::new(), true);
+        for chunk in answer.chunks(answer.len().div_ceil(1 + r.below(3))) {
+            let good = r.below(3) > 0;
+            let step: String = if good { chunk.iter().collect() } else { chunk.iter().map(|_| (b'A' + r.below(12) as u8) as char).collect() };
+            let label = match (right, good) {
+                (true, true) => 1,
+                (false, true) if labels == 3 => 2,
+                _ => 0,
+            };
+            right &= good;
+            s.push(format!("\"{step}\""));
+            l.push(label.to_string());
+        }
+        text.push_str(&format!("{{\"prompt\": \"{p}=\", \"completions\": [{}], \"labels\": [{}]}}\n", s.join(", "), l.join(", ")));
+    }
+    StepSet::read(&text, &bytes_of, "\n")
+}
+
+#[test]
+fn random_prm_runs_follow_one_device() -> Result<()> {
+    let (mut checked, mut refused) = (0, 0);
+    for seed in seeds(CONFIGS)? {
+        let mut d = rng(79_000 + seed);
+        let (layout, batch, grad_accum, opts) = draw_run(&mut d);
+        let labels = pick(&mut d, &[2, 3]);
+        let prm = PrmConfig { num_labels: labels, dropout: Some(pick(&mut d, &[0.0, 0.1, 0.3])) };
+        let last_only = pick(&mut d, &[false, false, true]);
+        let model = LlamaConfig::tiny(128, 32, pick(&mut d, &[1, 2]), 4, 2);
+        let base = |layout: Layout| -> Result<TrainConfig> {
+            let set = steps(seed, labels)?;
+            let set = if last_only { set.last_step_only() } else { set };
+            let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Steps(set), 64, 3);
+            (c.batch, c.grad_accum, c.seed, c.prm) = (batch, grad_accum, seed, Some(prm));
+            c.schedule.peak = 5e-3;
+            c.adamw.eps = 1e-6;
+            Ok(c)
+        };
+        let mut cfg = base(layout)?;
+        opts.apply(&mut cfg);
+        let what = format!("seed {seed}: {layout}, batch {batch} x {grad_accum}, {opts:?}, {prm:?}, last step only {last_only}");
+        let check = |a: &StepMetrics, b: &StepMetrics, out: &TrainOutcome| {
+            assert_eq!((out.config.num_labels, out.config.token_classifier.map(|t| t.dropout)), (Some(labels), prm.dropout), "{what}");
+            let (x, y) = (a.dpo_accuracy.unwrap_or(-1.0), b.dpo_accuracy.unwrap_or(-2.0));
+            assert!((x - y).abs() < 1e-9, "{what} step {}: accuracy {y} vs {x}", a.step);
+        };
+        match follows_one_device(&what, &cfg, &base(Layout::single())?, check)? {
+            true => checked += 1,
+            false => refused += 1,
+        }
+    }
+    println!("{checked} PRM configurations checked against one device, {refused} refused");
     assert!(checked > 0, "every draw refused");
     Ok(())
 }
