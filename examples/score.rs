@@ -10,12 +10,16 @@
 //! `--chat-template`); whole pairs are packed into rows of `--seq-len` tokens (default: the
 //! longest pair, rounded up to what the layout needs). With `--completions` the data is
 //! prompt / completion examples (as `--sft` reads them), each scored alone: their rewards and
-//! mean.
+//! mean. With `--steps` the model is a process reward model (a `*ForTokenClassification`
+//! checkpoint, e.g. one `finetune_llama --prm` wrote) and the data stepwise examples (as
+//! `--prm` reads them, `--step-separator`): every step's label probabilities, the steps'
+//! accuracy (the likeliest label is the given one) and mean probability of label 1.
 //!
 //! ```text
 //! cargo run --release --example score -- --model RM --data pairs.jsonl --eos 10 --cp 2
 //! cargo run --release --example score -- --model RM --data pairs.jsonl --tokenizer tok.json --cp 2 --tp 2 --sp --show 5
 //! cargo run --release --example score -- --model RM --data answers.jsonl --completions --eos 10 --show 10
+//! cargo run --release --example score -- --model PRM --data steps.jsonl --steps --cp 2 --tp 2 --sp --show 3
 //! ```
 
 use anyhow::{bail, Context};
@@ -24,9 +28,10 @@ use candle_cp_comm::run_ranks;
 use candle_cp_llama::chat::ChatTemplate;
 use candle_cp_llama::train::reward::{answer_rewards, score_documents};
 use candle_cp_llama::train::sft::{read_sft, Tokenize};
-use candle_cp_llama::train::PreferenceSet;
+use candle_cp_llama::train::prm::step_probabilities;
+use candle_cp_llama::train::{PreferenceSet, StepSet};
 use candle_cp_llama::reward::load_reward_model;
-use candle_cp_llama::{CpKind, Layout, Llama, ParallelCtx};
+use candle_cp_llama::{CpKind, Layout, Llama, ParallelCtx, IGNORE};
 use clap::Parser;
 use std::path::PathBuf;
 
@@ -75,18 +80,30 @@ struct Args {
     /// --data is prompt / completion examples (or conversations), each scored alone.
     #[arg(long)]
     completions: bool,
+    /// --model is a process reward model and --data stepwise examples (`{"prompt": ..,
+    /// "completions": [steps], "labels": [bools]}`): every step's label probabilities.
+    #[arg(long)]
+    steps: bool,
+    /// The text after each step (--steps; `\n` is a newline).
+    #[arg(long, default_value = "\\n")]
+    step_separator: String,
 }
 
 /// Rank 0's rewards from `score` (the model, the rows' length, the rank's context) on `layout`,
-/// each rank with its shards of the reward model at `dir`; rows of `seq_len` tokens (default:
-/// `longest` rounded up to the layout's multiple). Returns the rows' length too; errors come
-/// from rank 0 first.
-fn on_layout(dir: &std::path::Path, layout: Layout, longest: usize, seq_len: Option<usize>, score: impl Fn(&Llama, usize, &ParallelCtx) -> candle_core::Result<Vec<f64>> + Sync) -> anyhow::Result<(Vec<f64>, usize)> {
-    let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(Vec<f64>, usize)> {
+/// each rank with its shards of the reward model at `dir` (with `tokens`, a token classifier;
+/// else a sequence classifier of one label); rows of `seq_len` tokens (default: `longest`
+/// rounded up to the layout's multiple). Returns the rows' length too; errors come from rank 0
+/// first.
+fn on_layout<T: Send>(dir: &std::path::Path, layout: Layout, (longest, seq_len): (usize, Option<usize>), tokens: bool, score: impl Fn(&Llama, usize, &ParallelCtx) -> candle_core::Result<T> + Sync) -> anyhow::Result<(T, usize)> {
+    let out = run_ranks(layout.world_size(), |g| -> candle_core::Result<(T, usize)> {
         let ctx = ParallelCtx::new(g, layout)?;
         let model = load_reward_model(dir, &ctx, &Device::Cpu, DType::F32)?;
-        if model.config().num_labels != Some(1) {
-            candle_core::bail!("{}: a reward model of {:?} labels, not one", dir.display(), model.config().num_labels)
+        let c = model.config();
+        match (tokens, c.token_classifier.is_some()) {
+            (true, false) => candle_core::bail!("{}: {} is not a process reward model (a *ForTokenClassification)", dir.display(), c.hf_class()),
+            (false, true) => candle_core::bail!("{}: {} is a process reward model: score its steps with --steps", dir.display(), c.hf_class()),
+            (false, _) if c.num_labels != Some(1) => candle_core::bail!("{}: a reward model of {:?} labels, not one", dir.display(), c.num_labels),
+            _ => {}
         }
         let m = model.forward_multiple();
         let t = seq_len.unwrap_or(longest.div_ceil(m) * m);
@@ -125,8 +142,8 @@ fn score_completions(a: &Args, text: &str, layout: Layout, chat: Option<ChatTemp
     let docs: Vec<Vec<u32>> = read_data(a, |tokenize| read_sft(text, tokenize, a.eos, chat))?.into_iter().map(|(t, _)| t).collect();
     let longest = docs.iter().map(Vec::len).max().unwrap_or(1);
     let score = |m: &Llama, t: usize, _: &ParallelCtx| score_documents(m, &docs, a.batch, t, &Device::Cpu);
-    let (one, t1) = on_layout(&a.model, Layout::single(), longest, a.seq_len, score)?;
-    let (par, tl) = on_layout(&a.model, layout, longest, a.seq_len, score)?;
+    let (one, t1) = on_layout(&a.model, Layout::single(), (longest, a.seq_len), false, score)?;
+    let (par, tl) = on_layout(&a.model, layout, (longest, a.seq_len), false, score)?;
     for (i, (x, y)) in one.iter().zip(&par).enumerate().take(a.show) {
         println!("example {i:>4}: reward {x:>9.4}  ({layout}: {y:>9.4})");
     }
@@ -138,6 +155,46 @@ fn score_completions(a: &Args, text: &str, layout: Layout, chat: Option<ChatTemp
     println!("agree    : max difference {worst:.2e} (relative above 1)");
     if worst > 1e-4 {
         bail!("{layout} disagrees with one device: {worst:.2e}")
+    }
+    Ok(())
+}
+
+/// `--steps`: every step's label probabilities on one device and on `layout`, compared.
+fn score_steps(a: &Args, text: &str, layout: Layout) -> anyhow::Result<()> {
+    let sep = a.step_separator.replace("\\n", "\n");
+    let set = read_data(a, |tokenize| StepSet::read(text, tokenize, &sep))?;
+    let examples: Vec<(Vec<u32>, Vec<u32>)> = (0..set.len()).filter_map(|i| set.example(i).cloned()).collect();
+    let longest = examples.iter().map(|e| e.0.len()).max().unwrap_or(1);
+    let score = |m: &Llama, t: usize, _: &ParallelCtx| step_probabilities(m, &set, a.batch, t, &Device::Cpu);
+    let (one, t1) = on_layout(&a.model, Layout::single(), (longest, a.seq_len), true, score)?;
+    let (par, tl) = on_layout(&a.model, layout, (longest, a.seq_len), true, score)?;
+    for (i, (x, y)) in one.iter().zip(&par).enumerate().take(a.show) {
+        let given: Vec<u32> = examples[i].1.iter().copied().filter(|&l| l != IGNORE).collect();
+        let fmt = |p: &[Vec<f64>]| p.iter().map(|s| format!("{:.3}", s.get(1).copied().unwrap_or(f64::NAN))).collect::<Vec<_>>().join(" ");
+        println!("example {i:>4}: labels {given:?}  P(1) {}  ({layout}: {})", fmt(x), fmt(y));
+    }
+    // (accuracy: the likeliest label is the given one; the mean probability of label 1)
+    let summary = |p: &[Vec<Vec<f64>>]| -> (f64, f64, usize) {
+        let (mut right, mut p1, mut n) = (0usize, 0.0, 0usize);
+        for (e, steps) in p.iter().enumerate() {
+            for (s, l) in steps.iter().zip(examples[e].1.iter().filter(|&&l| l != IGNORE)) {
+                let best = s.iter().enumerate().fold((0, f64::NEG_INFINITY), |b, (k, &x)| if x > b.1 { (k, x) } else { b }).0;
+                right += (best == *l as usize) as usize;
+                p1 += s.get(1).copied().unwrap_or(0.0);
+                n += 1;
+            }
+        }
+        (right as f64 / n.max(1) as f64, p1 / n.max(1) as f64, n)
+    };
+    let ((acc1, p1, n), (accl, pl, _)) = (summary(&one), summary(&par));
+    println!("model    : {} ({} examples, {n} steps scored, rows of {t1} / {tl} tokens, {} per forward)", a.model.display(), set.len(), a.batch);
+    println!("one      : step accuracy {acc1:.4}  mean P(1) {p1:.4}");
+    println!("layout   : step accuracy {accl:.4}  mean P(1) {pl:.4}  ({layout})");
+    let flat = |p: &[Vec<Vec<f64>>]| -> Vec<f64> { p.iter().flatten().flatten().copied().collect() };
+    let worst = worst(&flat(&one), &flat(&par));
+    println!("agree    : max difference {worst:.2e}");
+    if worst > 1e-4 || acc1 != accl {
+        bail!("{layout} disagrees with one device: {worst:.2e}, accuracy {accl} vs {acc1}")
     }
     Ok(())
 }
@@ -158,14 +215,17 @@ fn main() -> anyhow::Result<()> {
     if a.completions {
         return score_completions(&a, &text, layout, chat);
     }
+    if a.steps {
+        return score_steps(&a, &text, layout);
+    }
     let set = read_data(&a, |tokenize| PreferenceSet::read(&text, tokenize, a.eos, chat))?;
     let longest = (0..set.len()).map(|p| set.pair_len(p)).max().unwrap_or(1);
     let score = |m: &Llama, t: usize, ctx: &ParallelCtx| answer_rewards(m, &set, a.batch, t, ctx, &Device::Cpu);
     let t0 = std::time::Instant::now();
-    let (one, t1) = on_layout(&a.model, Layout::single(), longest, a.seq_len, score)?;
+    let (one, t1) = on_layout(&a.model, Layout::single(), (longest, a.seq_len), false, score)?;
     let s1 = t0.elapsed().as_secs_f64();
     let t0 = std::time::Instant::now();
-    let (par, tl) = on_layout(&a.model, layout, longest, a.seq_len, score)?;
+    let (par, tl) = on_layout(&a.model, layout, (longest, a.seq_len), false, score)?;
     let sl = t0.elapsed().as_secs_f64();
     for p in 0..a.show.min(set.len()) {
         println!("pair {p:>4}: chosen {:>9.4}  rejected {:>9.4}  ({layout}: {:>9.4} / {:>9.4})", one[2 * p], one[2 * p + 1], par[2 * p], par[2 * p + 1]);

@@ -137,6 +137,11 @@ impl StepSet {
         self.docs.is_empty()
     }
 
+    /// Example `i`'s tokens and per-token labels (`None` past [`StepSet::len`]).
+    pub fn example(&self, i: usize) -> Option<&(Vec<u32>, Vec<u32>)> {
+        self.docs.get(i)
+    }
+
     /// Examples `range` as a set of their own (a held-out split).
     pub fn subset(&self, range: std::ops::Range<usize>) -> Result<Self> {
         if range.start >= range.end || range.end > self.len() {
@@ -289,6 +294,49 @@ pub fn evaluate_steps(model: &Llama, set: &StepSet, batch: usize, seq_len: usize
         count += t.count;
     }
     Ok(PrmTerms { loss: sum / count.max(1.0), accuracy: right / count.max(1.0), count })
+}
+
+/// Every labelled step's label probabilities under token classifier `model` (a softmax of its
+/// logits at the step's last token), per example of `set` in order, per step in order: what a
+/// process reward model tells of each step (TRL's: the probability of label 1, the step is
+/// right). `batch` rows of `seq_len` per forward (a multiple of DP; the last filled with
+/// padding rows), no dropout, on the model's layout; the same on every rank. The steps of an
+/// example longer than a row that lie past `seq_len` are not scored (left out). Collective over
+/// the world.
+pub fn step_probabilities(model: &Llama, set: &StepSet, batch: usize, seq_len: usize, dev: &Device) -> Result<Vec<Vec<Vec<f64>>>> {
+    let ctx = model.ctx();
+    if batch == 0 || !batch.is_multiple_of(ctx.layout.dp) {
+        bail!("step_probabilities: {batch} rows per forward over dp = {}", ctx.layout.dp)
+    }
+    let n = model.config().num_labels.unwrap_or(0);
+    let mut rows = set.in_order(seq_len)?;
+    while !rows.len().is_multiple_of(batch) {
+        let s = Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(Documents::single(seq_len)?) };
+        rows.push((s, vec![IGNORE; seq_len]));
+    }
+    // (the labelled tokens of the rows in order: the examples' steps in order)
+    let mut out: Vec<Vec<f64>> = Vec::new();
+    for chunk in rows.chunks(batch) {
+        let labels: Vec<u32> = chunk.iter().flat_map(|r| r.1.iter().copied()).collect();
+        let slot: std::collections::HashMap<usize, usize> = labels.iter().enumerate().filter(|(_, &l)| l != IGNORE).enumerate().map(|(s, (i, _))| (i, s)).collect();
+        let ids: Vec<u32> = chunk.iter().flat_map(|r| r.0.tokens.iter().copied()).collect();
+        let docs: Vec<Documents> = chunk.iter().map(|r| r.0.documents.clone().ok_or_else(|| candle_core::Error::Msg("prm: a row without documents".into()))).collect::<Result<_>>()?;
+        let sb = shard_batch_packed(&Tensor::from_vec(ids, (chunk.len(), seq_len), &Device::Cpu)?, &docs, ctx)?;
+        let scores = model.token_scores_packed(&sb.input_ids.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents, None)?.detach();
+        let probs: Vec<f32> = candle_nn::ops::softmax_last_dim(&scores)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1()?;
+        let mut part = vec![0f64; slot.len() * n];
+        for (k, g) in crate::layout::local_token_indices(chunk.len(), seq_len, ctx)?.into_iter().enumerate() {
+            if let Some(&s) = slot.get(&(g as usize)) {
+                for j in 0..n {
+                    part[s * n + j] = probs[k * n + j] as f64;
+                }
+            }
+        }
+        out.extend(super::dpo::sum_over(&part, ctx.token_group())?.chunks(n.max(1)).map(|c| c.to_vec()));
+    }
+    // (back into examples: each one's labelled steps within the row, in order)
+    let mut steps = out.into_iter();
+    set.docs.iter().map(|(_, l)| (0..l[..l.len().min(seq_len)].iter().filter(|&&x| x != IGNORE).count()).map(|_| steps.next().ok_or_else(|| candle_core::Error::Msg("step_probabilities: internal error (a step not scored)".into()))).collect()).collect()
 }
 
 #[cfg(test)]

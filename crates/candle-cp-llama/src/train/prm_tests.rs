@@ -133,3 +133,53 @@ fn check_loss(rows: &[StepRow], ctx: &crate::ParallelCtx) -> Result<()> {
     assert!(e.contains("label 2 for a head of 2"), "{e}");
     Ok(())
 }
+
+/// Each rank's step probabilities of `set` under a drawn token classifier (3 labels) on
+/// `layout`, rows of `seq_len`.
+fn probabilities_on(layout: crate::Layout, set: &StepSet, seq_len: usize) -> Result<Vec<Vec<Vec<Vec<f64>>>>> {
+    let cfg = crate::LlamaConfig::tiny(128, 32, 2, 4, 2).with_num_labels(Some(3)).with_token_classifier(Some(crate::prm::TokenClassifier::new(0.1)?));
+    candle_cp_comm::run_ranks(layout.world_size(), |g| {
+        let ctx = crate::ParallelCtx::new(g, layout)?;
+        let vm = crate::init_params_sharded(&cfg, 4, candle_core::DType::F32, &ctx, &Device::Cpu)?;
+        let model = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, candle_core::DType::F32, &Device::Cpu), &cfg, &ctx)?;
+        step_probabilities(&model, set, 2, seq_len, &Device::Cpu)
+    })
+    .into_iter()
+    .collect()
+}
+
+/// The step probabilities are each example's softmax at its labelled tokens, scored alone (a
+/// forward of the example by itself), per example and step in order; every rank of zigzag
+/// CP 2 × TP 2 + SP and ring CP 2 × DP 2 gets one device's; an example longer than a row
+/// keeps the steps inside it.
+#[test]
+fn step_probabilities_are_each_examples_softmax_on_every_layout() -> Result<()> {
+    let set = StepSet::read(&steps_text(9, 5), &bytes_of, "\n")?;
+    let one = probabilities_on(crate::Layout::single(), &set, 64)?.remove(0);
+    assert_eq!(one.len(), set.len());
+    // (one example alone in a row of its own length: the same probabilities)
+    for e in [0, 4, 8] {
+        let alone = StepSet::from_examples(vec![set.docs[e].clone()])?;
+        let t = set.docs[e].0.len().div_ceil(4) * 4;
+        let p = probabilities_on(crate::Layout::single(), &alone, t)?.remove(0).remove(0);
+        assert_eq!(p.len(), set.docs[e].1.iter().filter(|&&x| x != IGNORE).count());
+        for (a, b) in p.iter().flatten().zip(one[e].iter().flatten()) {
+            assert!((a - b).abs() < 1e-5, "example {e}: {p:?} vs {:?}", one[e]);
+        }
+        assert!(p.iter().all(|s| (s.iter().sum::<f64>() - 1.0).abs() < 1e-5), "{p:?}");
+    }
+    for layout in [crate::Layout::cp(crate::CpKind::Zigzag, 2).with_tp(2, true), crate::Layout::cp(crate::CpKind::Ring, 2).with_dp(2)] {
+        for (r, got) in probabilities_on(layout, &set, 64)?.into_iter().enumerate() {
+            for (a, b) in got.iter().flatten().flatten().zip(one.iter().flatten().flatten()) {
+                assert!((a - b).abs() < 1e-5, "{layout} rank {r}: {a} vs one device {b}");
+            }
+            assert_eq!(got.iter().map(Vec::len).collect::<Vec<_>>(), one.iter().map(Vec::len).collect::<Vec<_>>());
+        }
+    }
+    // rows shorter than some examples: their steps past the row left out
+    let short = probabilities_on(crate::Layout::single(), &set, 12)?.remove(0);
+    for (e, s) in short.iter().enumerate() {
+        assert_eq!(s.len(), set.docs[e].1[..12.min(set.docs[e].1.len())].iter().filter(|&&x| x != IGNORE).count());
+    }
+    Ok(())
+}
