@@ -3,7 +3,7 @@
 //! the MLP split over TP, K/V split by KV head, replicated when TP exceeds the KV heads, or
 //! copied `lcm(Hkv, tp)/Hkv` times when neither divides the other,
 //! the embedding and head split by vocabulary (padded when TP does not divide it), norms
-//! replicated, Qwen2's q, k, v biases split like their weights, Qwen3's head norms replicated, Qwen3-MoE's router replicated and every expert's slice on each TP rank (one layer of two dense). The planner's memory figures
+//! replicated, a reward model's score head (and a token classifier's bias) replicated in place of the head, Qwen2's q, k, v biases split like their weights, Qwen3's head norms replicated, Qwen3-MoE's router replicated and every expert's slice on each TP rank (one layer of two dense). The planner's memory figures
 //! (weights, gradients, optimizer states) are therefore about the model we run, not an ideal.
 
 use candle_core::{DType, Device, Result};
@@ -72,9 +72,13 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     let lite = deepseek.clone().with_mla(Some(candle_cp_llama::config::deepseek::Mla { q_lora_rank: None, v_head_dim: 24, ..mla }));
     // DeepSeek-V2: its softmax router without a correction bias, the shared expert ungated
     let v2 = candle_cp_tests::mla_ref::deepseek_v2_model(mla)?.0;
+    // a reward model (a sequence classifier of one label: score.weight [1, h] replicated, no
+    // LM head) and a process reward model (a token classifier of 3 labels, with score.bias)
+    let reward = oracle.clone().with_num_labels(Some(1));
+    let prm = oracle.clone().with_num_labels(Some(3)).with_token_classifier(Some(candle_cp_llama::prm::TokenClassifier::new(0.1)?));
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 4, 8]), (&olmoe, [1, 2, 4, 8]), (&exaone4, [1, 2, 4, 8]), (&granite_moe, [1, 2, 4, 8]), (&glm4, [1, 2, 4, 8]), (&deepseek, [1, 2, 4, 8]), (&lite, [1, 2, 8, 8]), (&v2, [1, 2, 4, 8])] {
+    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 4, 8]), (&olmoe, [1, 2, 4, 8]), (&exaone4, [1, 2, 4, 8]), (&granite_moe, [1, 2, 4, 8]), (&glm4, [1, 2, 4, 8]), (&deepseek, [1, 2, 4, 8]), (&lite, [1, 2, 8, 8]), (&v2, [1, 2, 4, 8]), (&reward, [1, 2, 4, 8]), (&prm, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {

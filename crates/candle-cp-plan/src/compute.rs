@@ -83,7 +83,7 @@ pub fn layer_flops_packed(
         doc_len,
         attention_bwd,
         recompute,
-        logits_fwd: 2.0 * sf * bf * (m.hidden * m.vocab) as f64,
+        logits_fwd: 2.0 * sf * bf * (m.hidden * m.output_width()) as f64,
         per_gpu_fwd_bwd: (linear_fwd + linear_bwd + attention_fwd + attention_bwd + recompute)
             / split,
     }

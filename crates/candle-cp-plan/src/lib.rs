@@ -39,7 +39,7 @@ pub mod window;
 
 pub use hardware::Hardware;
 pub use layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
-pub use model::{MlaShape, ModelConfig};
+pub use model::{MlaShape, ModelConfig, ScoreHead};
 pub use plan::{plan, Plan, PlanInput};
 pub use rates::{AttnRates, RatePoint};
 pub use search::{search, SearchInput, SearchResult};

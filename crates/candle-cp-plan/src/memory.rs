@@ -354,7 +354,8 @@ pub fn activation_totals(
         0.0
     };
     let c = (s / l.cp) as f64;
-    let logits = c * b as f64 * vocab_rows_per_gpu(m, l) as f64 * 4.0;
+    // (a reward model's f32 scores: its labels per token, replicated over TP)
+    let logits = c * b as f64 * m.score_head.map_or(vocab_rows_per_gpu(m, l), |s| s.labels) as f64 * 4.0;
     let first = layers + working;
     let last = lps * per_layer + working + logits;
     let total = if l.pp == 1 {

@@ -75,6 +75,27 @@ pub struct ModelConfig {
     /// with zeros, then up to a width its CUDA kernels take: DeepSeek-V3's 192 at 256), with as
     /// many KV heads as heads.
     pub mla: Option<MlaShape>,
+    /// A reward model's score head in place of the output projection (transformers'
+    /// `*ForSequenceClassification`, or `*ForTokenClassification` with a bias: a process
+    /// reward model): `labels·h` parameters replicated over TP (and `labels` more with the
+    /// bias), `labels` scores per token instead of the vocabulary's logits. `None`: a causal LM.
+    pub score_head: Option<ScoreHead>,
+}
+
+/// A reward model's score head ([`ModelConfig::score_head`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ScoreHead {
+    /// Its labels `n` (the rows of `score.weight`).
+    pub labels: usize,
+    /// A bias `score.bias` `[n]` (a token classifier's).
+    pub bias: bool,
+}
+
+impl ScoreHead {
+    /// Its parameters: `n·h`, and `n` with the bias.
+    pub fn params(&self, hidden: usize) -> u64 {
+        (self.labels * hidden + if self.bias { self.labels } else { 0 }) as u64
+    }
 }
 
 /// The head dims candle-cp's CUDA attention kernels take (`candle_cp_kernels::flash`'s
@@ -359,6 +380,7 @@ impl ModelConfig {
             post_norms: olmo || exaone4,
             qk_norm_flat: olmo || olmoe,
             mla: deepseek.then_some(MlaShape::DEEPSEEK_V3),
+            score_head: None,
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
@@ -551,13 +573,24 @@ impl ModelConfig {
         (self.vocab * self.hidden) as u64
     }
 
-    /// All parameters: `L·layer + v·h·(1 or 2) + h` (final norm).
+    /// The output projection's parameters: `v·h` untied, 0 tied, a reward model's score head's
+    /// ([`ModelConfig::score_head`]).
+    pub fn output_params(&self) -> u64 {
+        match (&self.score_head, self.tie_embeddings) {
+            (Some(s), _) => s.params(self.hidden),
+            (None, true) => 0,
+            (None, false) => self.embedding_params(),
+        }
+    }
+
+    /// The output's columns per token: the vocabulary, or a score head's labels.
+    pub fn output_width(&self) -> usize {
+        self.score_head.map_or(self.vocab, |s| s.labels)
+    }
+
+    /// All parameters: `L·layer + v·h + output + h` (final norm; [`ModelConfig::output_params`]).
     pub fn total_params(&self) -> u64 {
-        let out = if self.tie_embeddings {
-            0
-        } else {
-            self.embedding_params()
-        };
+        let out = self.output_params();
         let sparse = match &self.moe {
             Some(m) => (m.sparse_layers as f64 * self.sparse_mlp_extra()) as i64,
             None => 0,

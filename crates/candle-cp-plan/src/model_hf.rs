@@ -116,6 +116,27 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 
+/// A reward model's score head from `architectures`: a `*ForSequenceClassification` (no bias)
+/// or `*ForTokenClassification` (a bias) class, its labels `id2label`'s entries, else
+/// `num_labels`, else transformers' 2; `None` for a causal LM.
+fn score_head(v: &serde_json::Value, name: &str) -> Result<Option<crate::model::ScoreHead>> {
+    let classes: Vec<&str> = v.get("architectures").and_then(|a| a.as_array()).map(|a| a.iter().filter_map(|c| c.as_str()).collect()).unwrap_or_default();
+    let bias = match (classes.iter().any(|c| c.ends_with("ForSequenceClassification")), classes.iter().any(|c| c.ends_with("ForTokenClassification"))) {
+        (false, false) => return Ok(None),
+        (true, true) => plan_bail!("model config {name}: `architectures` {classes:?} names a sequence and a token classifier"),
+        (seq, _) => !seq,
+    };
+    let labels = match (v.get("id2label"), v.get("num_labels")) {
+        (Some(serde_json::Value::Object(o)), _) => o.len(),
+        (_, Some(n)) if !n.is_null() => n.as_u64().ok_or_else(|| PlanError(format!("model config {name}: 'num_labels' must be a non-negative integer, got {n}")))? as usize,
+        _ => 2,
+    };
+    if labels == 0 {
+        plan_bail!("model config {name}: a classifier with no label")
+    }
+    Ok(Some(crate::model::ScoreHead { labels, bias }))
+}
+
 impl ModelConfig {
     /// Reads a Hugging Face `config.json` (fields `hidden_size`, `num_hidden_layers`,
     /// `num_attention_heads`, `intermediate_size`, `vocab_size`; optional
@@ -387,6 +408,7 @@ impl ModelConfig {
             post_norms: olmo2 || olmo3 || exaone4,
             qk_norm_flat: olmo2 || olmo3 || olmoe,
             mla,
+            score_head: score_head(&v, name)?,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -395,3 +395,30 @@ fn hf_sliding_window() -> Result<()> {
         .contains("sliding window must be at least 1"));
     Ok(())
 }
+
+/// A reward model's config (`*ForSequenceClassification`, `*ForTokenClassification`) plans a
+/// score head in place of the output projection: `n·h` parameters (`+ n` with a token
+/// classifier's bias), `n` scores per token in the head's FLOPs and memory.
+#[test]
+fn classifiers_plan_their_score_heads() -> Result<()> {
+    let base = r#""hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "model_type": "llama""#;
+    let lm = ModelConfig::from_hf_json(&format!("{{{base}}}"), "lm")?;
+    let seq = ModelConfig::from_hf_json(&format!(r#"{{{base}, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}}"#), "rm")?;
+    let tok = ModelConfig::from_hf_json(&format!(r#"{{{base}, "architectures": ["LlamaForTokenClassification"]}}"#), "prm")?;
+    assert_eq!((lm.score_head, seq.score_head, tok.score_head), (None, Some(ScoreHead { labels: 1, bias: false }), Some(ScoreHead { labels: 2, bias: true })));
+    let (v, h) = (128_256u64, 4096u64);
+    assert_eq!(seq.total_params(), lm.total_params() - v * h + h);
+    assert_eq!(tok.total_params(), lm.total_params() - v * h + 2 * h + 2);
+    assert_eq!((seq.output_width(), tok.output_width(), lm.output_width()), (1, 2, 128_256));
+    // (id2label counts the labels)
+    let three = ModelConfig::from_hf_json(&format!(r#"{{{base}, "architectures": ["LlamaForTokenClassification"], "id2label": {{"0": "a", "1": "b", "2": "c"}}}}"#), "prm3")?;
+    assert_eq!(three.score_head.map(|s| s.labels), Some(3));
+    let e = ModelConfig::from_hf_json(&format!(r#"{{{base}, "architectures": ["LlamaForSequenceClassification"], "num_labels": 0}}"#), "none").unwrap_err();
+    assert!(format!("{e:?}").contains("no label"), "{e:?}");
+    // the head's memory: f32 scores of its labels per token, not the vocabulary's logits
+    let l = crate::Layout { tp: 8, cp: 2, ..crate::Layout::default() };
+    let am = crate::layout::ActivationModel::Llama;
+    let (a, b) = (crate::memory::activation_totals(am, &lm, &l, 8192, 1, 2, 1), crate::memory::activation_totals(am, &tok, &l, 8192, 1, 2, 1));
+    assert_eq!((a.logits, b.logits), (4096.0 * 128_256.0 / 8.0 * 4.0, 4096.0 * 2.0 * 4.0));
+    Ok(())
+}

@@ -167,6 +167,7 @@ mod tests {
             qk_norm_flat: false,
             gpt_oss: false,
             mla: None,
+            score_head: None,
         }
     }
 

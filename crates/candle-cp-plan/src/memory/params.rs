@@ -193,7 +193,9 @@ pub fn lora_saved_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
         return 0.0;
     }
     let rows = vocab_rows_per_gpu(m, l) as f64 * m.hidden as f64;
-    let (e, h) = (if l.lora_save_embed { rows } else { 0.0 }, if l.lora_save_head && !m.tie_embeddings { rows } else { 0.0 });
+    // (a reward model's score head is saved whole, replicated)
+    let head = m.score_head.map_or(rows, |s| s.params(m.hidden) as f64);
+    let (e, h) = (if l.lora_save_embed { rows } else { 0.0 }, if l.lora_save_head && (!m.tie_embeddings || m.score_head.is_some()) { head } else { 0.0 });
     if l.pp > 1 {
         e.max(h)
     } else {
@@ -209,7 +211,12 @@ pub fn params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let layer = layer_params_per_gpu(m, l);
     let emb = vocab_rows_per_gpu(m, l) as f64 * h;
     if l.pp == 1 {
-        let out = if m.tie_embeddings { 0.0 } else { emb };
+        let out = match m.score_head {
+            // (a reward model's score head, replicated over TP)
+            Some(s) => s.params(m.hidden) as f64,
+            None if m.tie_embeddings => 0.0,
+            None => emb,
+        };
         return m.layers as f64 * layer + emb + out + h;
     }
     // First stage: layers + embedding; the last stage is heavier by the final norm:
