@@ -223,13 +223,14 @@ fn per_module_ranks_and_layers_equal_the_merged_model() -> Result<()> {
         .with_alpha_pattern(vec![("o_proj".into(), 2.0)])?
         .with_layers(Some(vec![1]));
     let cfg = base.clone().with_lora(Some(spec.clone()));
-    let specs: HashMap<String, Vec<usize>> = param_specs(&cfg).into_iter().filter(|s| s.is_lora()).map(|s| (s.name, s.shape)).collect();
+    let specs: std::collections::BTreeMap<String, Vec<usize>> = param_specs(&cfg).into_iter().filter(|s| s.is_lora()).map(|s| (s.name, s.shape)).collect();
     assert!(specs.keys().all(|n| n.starts_with("model.layers.1.")), "layer 1 only");
     assert_eq!(specs["model.layers.1.self_attn.q_proj.lora_A.weight"][0], 2);
     assert_eq!(specs["model.layers.1.mlp.experts.down_proj.lora_A.weight"][..2], [8, 6]);
     assert_eq!(specs["model.layers.1.mlp.experts.up_proj.lora_A.weight"][..2], [8, RANK]);
     assert_eq!(specs["model.layers.1.mlp.shared_expert.up_proj.lora_B.weight"][1], 3);
     let mut full = weights.clone();
+    // (in name order: each adapter its own seed whatever the hash order)
     for (i, (n, shape)) in specs.iter().enumerate() {
         let sd = if n.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
         full.insert(n.clone(), candle_cp_ops::oracle::randn(2100 + i as u64, shape, sd)?.to_dtype(DType::F32)?);
