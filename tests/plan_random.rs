@@ -4,7 +4,8 @@
 //! The unit tests in `candle-cp-plan` pin each formula on chosen layouts; this draws the
 //! inputs (model preset, sliding window, GPU, TP / SP / CP kind and degree / Ulysses degree /
 //! PP / virtual stages / DP / ZeRO / recompute / flash, sequence length from 1 token to 1M,
-//! packed document length, micro-batch size and count, overlap, dtype, activation model) and
+//! packed document length, micro-batch size and count, overlap, dtype, activation model, a
+//! reward model's score head) and
 //! checks, on every plan:
 //! - every number in its JSON is finite and non-negative;
 //! - the totals are the sums of their parts (activations: the busier pipeline stage; model
@@ -37,7 +38,7 @@ fn bad_numbers(v: &Value, path: &str, out: &mut Vec<String>) {
         Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| bad_numbers(x, &format!("{path}/{i}"), out)),
         // serde_json writes NaN and infinities as null: only options may be null
         Value::Null => {
-            let optional = ["window", "sliding_window", "partial_window", "moe", "mla", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows", "base_quant"];
+            let optional = ["window", "sliding_window", "partial_window", "moe", "mla", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows", "base_quant", "score_head"];
             if !optional.iter().any(|k| path.ends_with(&format!("/{k}"))) {
                 out.push(format!("{path} = null"));
             }
@@ -127,6 +128,10 @@ fn random_plans_are_consistent() {
             inp.layout.lora_rank = pick(&mut d, &[8, 64]);
             inp.layout.lora_mlp = d.below(2) == 0;
             inp.layout.base_quant = pick(&mut d, &[None, Some(BaseQuant { bits: 4, group: 64, double: None }), Some(BaseQuant { bits: 8, group: 128, double: None }), Some(BaseQuant { bits: 4, group: 64, double: Some(16) })]);
+        }
+        // a reward model's score head (a sequence or a token classifier; drawn after the rest)
+        if d.below(6) == 0 {
+            inp.model.score_head = Some(candle_cp_plan::ScoreHead { labels: pick(&mut d, &[1, 2, 3]), bias: d.below(2) == 0 });
         }
         let what = format!("config {seed}: {inp:?}");
         let p = match plan(&inp) {
