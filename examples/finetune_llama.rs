@@ -332,8 +332,9 @@ fn main() -> Result<()> {
                     t => t.split(',').map(|t| t.trim()).collect(),
                 };
                 let mut saved: Vec<&str> = a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect()).unwrap_or_default();
-                // (a reward model's new score head trains whole, as PEFT's SEQ_CLS task has it)
-                if a.reward_model && !saved.contains(&"score") {
+                // (a reward model's new score head trains whole, as PEFT's SEQ_CLS task has it; a
+                // PRM's with its bias, as the TOKEN_CLS task)
+                if (a.reward_model || a.prm.prm) && !saved.contains(&"score") {
                     saved.push("score");
                 }
                 let params: Vec<&str> = a.lora_target_parameters.as_deref().map(|p| p.split(',').map(|p| p.trim()).collect()).unwrap_or_default();

@@ -15,7 +15,8 @@
 //! refuses must be refused for a reason the draw explains. Reward models (a score head on the
 //! same pairs, the Bradley–Terry loss with or without TRL's centring term) are drawn the same
 //! way and held to the same bounds, and so are process reward models (a token classifier with
-//! a drawn dropout, 2 or 3 labels, on drawn stepwise examples, all steps labelled or the last).
+//! a drawn dropout, 2 or 3 labels, on drawn stepwise examples, all steps labelled or the last;
+//! a third of them LoRA runs training the head whole).
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::Result;
@@ -222,18 +223,23 @@ fn random_prm_runs_follow_one_device() -> Result<()> {
         let prm = PrmConfig { num_labels: labels, dropout: Some(pick(&mut d, &[0.0, 0.1, 0.3])) };
         let last_only = pick(&mut d, &[false, false, true]);
         let model = LlamaConfig::tiny(128, 32, pick(&mut d, &[1, 2]), 4, 2);
+        // (a third LoRA PRMs: adapters on q and v, the head trained whole, PEFT's TOKEN_CLS)
+        let lora = match pick(&mut d, &[false, false, true]) {
+            true => Some(candle_cp_llama::LoraSpec::new(4, 8.0, &["q_proj", "v_proj"])?.with_modules_to_save(&["score"])?),
+            false => None,
+        };
         let base = |layout: Layout| -> Result<TrainConfig> {
             let set = steps(seed, labels)?;
             let set = if last_only { set.last_step_only() } else { set };
             let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Steps(set), 64, 3);
-            (c.batch, c.grad_accum, c.seed, c.prm) = (batch, grad_accum, seed, Some(prm));
+            (c.batch, c.grad_accum, c.seed, c.prm, c.lora) = (batch, grad_accum, seed, Some(prm), lora.clone());
             c.schedule.peak = 5e-3;
             c.adamw.eps = 1e-6;
             Ok(c)
         };
         let mut cfg = base(layout)?;
         opts.apply(&mut cfg);
-        let what = format!("seed {seed}: {layout}, batch {batch} x {grad_accum}, {opts:?}, {prm:?}, last step only {last_only}");
+        let what = format!("seed {seed}: {layout}, batch {batch} x {grad_accum}, {opts:?}, {prm:?}, last step only {last_only}, LoRA {}", lora.is_some());
         let check = |a: &StepMetrics, b: &StepMetrics, out: &TrainOutcome| {
             assert_eq!((out.config.num_labels, out.config.token_classifier.map(|t| t.dropout)), (Some(labels), prm.dropout), "{what}");
             let (x, y) = (a.dpo_accuracy.unwrap_or(-1.0), b.dpo_accuracy.unwrap_or(-2.0));

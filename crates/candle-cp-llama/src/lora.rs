@@ -103,8 +103,9 @@ pub enum GateUp {
 }
 
 /// The modules [`LoraSpec::modules_to_save`] may name, and their parameters (a reward model's
-/// score head, [`crate::reward`], as PEFT's `SEQ_CLS` task trains it).
-pub const SAVED_MODULES: [(&str, &str); 3] = [("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight"), ("score", crate::reward::SCORE)];
+/// score head, [`crate::reward`], as PEFT's `SEQ_CLS` task trains it; a token classifier's
+/// with its bias, [`crate::prm`], as the `TOKEN_CLS` task does).
+pub const SAVED_MODULES: [(&str, &str); 4] = [("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight"), ("score", crate::reward::SCORE), ("score", crate::prm::SCORE_BIAS)];
 
 impl LoraSpec {
     /// Adapters of rank `rank`, scale `alpha / rank`, on the projections `targets` (PEFT
@@ -219,6 +220,8 @@ impl LoraSpec {
             bail!("LoRA: module '{m}' cannot be trained whole beside the adapters (modules_to_save: some of {:?})", SAVED_MODULES.map(|(n, _)| n))
         }
         self.modules_to_save = SAVED_MODULES.iter().filter(|(n, _)| modules.contains(n)).map(|(n, _)| n.to_string()).collect();
+        // (a module of several parameters once)
+        self.modules_to_save.dedup();
         Ok(self)
     }
 
@@ -368,6 +371,11 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
     candle_core::safetensors::save(&named, dir.join("adapter_model.safetensors"))?;
     let cfg = dir.join("adapter_config.json");
     let mut json = spec.peft_config_json(base);
+    // (a token classifier's adapters, its head's bias among the modules trained whole: PEFT's
+    // token-classification task)
+    if adapters.contains_key(crate::prm::SCORE_BIAS) {
+        json["task_type"] = serde_json::json!("TOKEN_CLS");
+    }
     // Mixtral's experts are w1, w3, w2 to PEFT
     if spec.target_regex.is_none() && !spec.targets.is_empty() {
         json["target_modules"] = serde_json::json!(crate::moe_lora::peft_target_names(&spec.targets, named.keys()));

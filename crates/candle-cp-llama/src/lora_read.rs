@@ -34,10 +34,10 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
         Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
         Some(other) => bail!("{}: 'modules_to_save' must be a list of module names, got {other}", cfg_path.display()),
     };
-    // (PEFT's sequence-classification task names its heads `classifier` and `score` whatever the
-    // model has: a Llama's is `score`, and it is always trained whole)
+    // (PEFT's sequence- and token-classification tasks name their heads `classifier` and `score`
+    // whatever the model has: a Llama's is `score`, and it is always trained whole)
     let saved: Vec<String> = match v.get("task_type").and_then(|t| t.as_str()) {
-        Some("SEQ_CLS") => saved.into_iter().filter(|m| m != "classifier").chain(std::iter::once("score".to_string())).collect(),
+        Some("SEQ_CLS" | "TOKEN_CLS") => saved.into_iter().filter(|m| m != "classifier").chain(std::iter::once("score".to_string())).collect(),
         _ => saved,
     };
     let dropout = v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);

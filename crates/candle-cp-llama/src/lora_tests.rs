@@ -131,6 +131,8 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
     assert_eq!(load_peft_adapter(&dir)?.0.modules_to_save, ["score"]);
     edit(&dir, |v| (v["modules_to_save"], v["task_type"]) = (serde_json::json!(["classifier", "score"]), serde_json::json!("SEQ_CLS")))?;
     assert_eq!(load_peft_adapter(&dir)?.0.modules_to_save, ["score"]);
+    edit(&dir, |v| (v["modules_to_save"], v["task_type"]) = (serde_json::json!(["classifier"]), serde_json::json!("TOKEN_CLS")))?;
+    assert_eq!(load_peft_adapter(&dir)?.0.modules_to_save, ["score"]);
     edit(&dir, |v| (v["modules_to_save"], v["task_type"]) = (serde_json::json!(["classifier"]), serde_json::json!("CAUSAL_LM")))?;
     let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("'classifier'") && e.contains("modules_to_save"), "{e}");

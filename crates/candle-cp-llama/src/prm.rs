@@ -69,13 +69,13 @@ impl LlamaConfig {
     }
 }
 
-/// The config's token-classifier checks: labels, and no LoRA (its head's weight and bias are
-/// not yet saved as PEFT's TOKEN_CLS task saves them).
+/// The config's token-classifier checks: labels and a dropout in `[0, 1)` (LoRA adapters
+/// train the head whole, weight and bias, as PEFT's `TOKEN_CLS` task: [`crate::reward`]'s
+/// check).
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     match (cfg.token_classifier, cfg.num_labels) {
         (Some(_), None) => bail!("LlamaConfig: a token classifier needs its labels (num_labels)"),
         (Some(t), Some(_)) if !(0.0..1.0).contains(&t.dropout) => bail!("LlamaConfig: the token classifier's dropout {} must be in [0, 1)", t.dropout),
-        (Some(_), Some(n)) if cfg.lora.is_some() => bail!("LlamaConfig: LoRA on a token classifier ({n} label(s)) is not supported: train it whole"),
         _ => Ok(()),
     }
 }

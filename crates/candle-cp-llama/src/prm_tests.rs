@@ -17,9 +17,17 @@ fn token_classifier_configs_are_checked() {
     assert!(TokenClassifier::new(1.0).unwrap_err().to_string().contains("[0, 1)"));
     let bad = c.clone().with_num_labels(Some(2)).with_token_classifier(Some(TokenClassifier { dropout: -0.5 }));
     assert!(bad.validate().unwrap_err().to_string().contains("dropout -0.5"));
-    let lora = crate::LoraSpec::new(4, 8.0, &["q_proj"]).expect("spec").with_modules_to_save(&["score"]).expect("score");
-    let e = c.clone().with_num_labels(Some(2)).with_token_classifier(t).with_lora(Some(lora)).validate().unwrap_err().to_string();
-    assert!(e.contains("LoRA on a token classifier"), "{e}");
+    // (LoRA trains the head whole: weight and bias)
+    let lora = crate::LoraSpec::new(4, 8.0, &["q_proj"]).expect("spec");
+    let prm = c.clone().with_num_labels(Some(2)).with_token_classifier(t);
+    let e = prm.clone().with_lora(Some(lora.clone())).validate().unwrap_err().to_string();
+    assert!(e.contains("add score to modules_to_save"), "{e}");
+    let lora = lora.with_modules_to_save(&["score"]).expect("score");
+    assert_eq!(lora.modules_to_save, ["score"]);
+    let prm = prm.with_lora(Some(lora));
+    assert!(prm.validate().is_ok());
+    let trained: Vec<String> = crate::params::trainable_specs(&prm).into_iter().filter(|s| !s.is_lora()).map(|s| s.name).collect();
+    assert_eq!(trained, [crate::reward::SCORE, SCORE_BIAS]);
     assert_eq!(c.clone().with_num_labels(Some(2)).with_token_classifier(t).hf_class(), "LlamaForTokenClassification");
     // the head's parameters: weight and bias, replicated; the bias starts at zero
     let specs = crate::param_specs(&c.with_num_labels(Some(3)).with_token_classifier(t));

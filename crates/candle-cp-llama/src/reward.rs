@@ -47,7 +47,7 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     let saves = |m: &str| cfg.lora.as_ref().is_some_and(|l| l.modules_to_save.iter().any(|s| s == m));
     match cfg.num_labels {
         Some(0) => bail!("LlamaConfig: a reward model (num_labels) needs at least one label"),
-        Some(n) if cfg.lora.is_some() && !saves("score") => bail!("LlamaConfig: LoRA on a reward model ({n} label(s)) trains its new score head whole: add score to modules_to_save (PEFT's SEQ_CLS task does)"),
+        Some(n) if cfg.lora.is_some() && !saves("score") => bail!("LlamaConfig: LoRA on a reward model ({n} label(s)) trains its new score head whole: add score to modules_to_save (PEFT's SEQ_CLS and TOKEN_CLS tasks do)"),
         Some(_) if saves("lm_head") => bail!("LlamaConfig: a reward model has no lm_head to train (modules_to_save): its head is score"),
         None if saves("score") => bail!("LlamaConfig: LoRA modules_to_save names score, which only a reward model has (num_labels)"),
         _ => Ok(()),

@@ -86,3 +86,71 @@ fn resumed_prm_run_is_the_straight_run() -> Result<()> {
     assert_eq!(tail, b[0].metrics.iter().map(|m| (m.step, m.train_loss)).collect::<Vec<_>>());
     Ok(())
 }
+
+/// A LoRA process reward model (PEFT's TOKEN_CLS task: adapters on q and v, the new head
+/// trained whole, weight and bias): the loss falls, zigzag CP 2, ring CP 2 × DP 2 and TP 2 + SP
+/// follow the single device, the checkpoint is a PEFT adapter of task TOKEN_CLS holding the
+/// head under PEFT's names over a written base that is a token classifier, merged = adapted,
+/// and a run resumed from it is the straight one.
+#[test]
+fn lora_prm_trains_its_adapters_and_head() -> Result<()> {
+    let cfg = |out: Option<PathBuf>, layout: Layout| -> Result<TrainConfig> {
+        let mut c = prm_cfg(out, layout, 8)?;
+        c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj", "v_proj"])?.with_modules_to_save(&["score"])?);
+        c.schedule.peak = 5e-3;
+        // (from a causal LM: the head drawn, the base written once as the token classifier)
+        let lm = crate::LlamaConfig::tiny(128, 32, 1, 2, 1);
+        let dir = std::env::temp_dir().join(format!("cp-prm-lora-lm-{}", std::process::id()));
+        if !dir.join("config.json").exists() {
+            crate::save_hf(&dir, &crate::init_params(&lm, c.seed, candle_core::DType::F32, &candle_core::Device::Cpu)?, &lm)?;
+        }
+        c.model = ModelSource::Hf(dir);
+        Ok(c)
+    };
+    let da = tmpdir("prm-lora");
+    let one = run(&cfg(Some(da.clone()), Layout::single())?)?;
+    let m = &one[0].metrics;
+    assert!(m[6..].iter().map(|s| s.train_loss).sum::<f64>() < m[..2].iter().map(|s| s.train_loss).sum::<f64>() - 0.02, "{:?}", m.iter().map(|s| s.train_loss).collect::<Vec<_>>());
+    assert!(one[0].trainable_params < one[0].n_params / 4, "{} of {}", one[0].trainable_params, one[0].n_params);
+    let want: Vec<&StepMetrics> = m[..4].iter().collect();
+    follows_on_layouts("LoRA PRM", &want, |layout| {
+        let mut c = cfg(None, layout)?;
+        c.stop_after = Some(4);
+        Ok(c)
+    })?;
+    let ck = crate::train::checkpoint::latest_checkpoint(da.join("checkpoints"))?.expect("a checkpoint");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("adapter_config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    assert_eq!((json["task_type"].as_str(), json["modules_to_save"][0].as_str()), (Some("TOKEN_CLS"), Some("score")), "{json}");
+    let names: Vec<String> = candle_core::safetensors::load(ck.join("adapter_model.safetensors"), &candle_core::Device::Cpu)?.into_keys().collect();
+    assert!(names.iter().any(|n| n == "base_model.model.score.weight") && names.iter().any(|n| n == "base_model.model.score.bias"), "{names:?}");
+    let base = crate::LlamaConfig::from_file(crate::lora::base_model_dir(&ck)?.join("config.json"))?;
+    assert_eq!((base.num_labels, base.hf_class()), (Some(2), "LlamaForTokenClassification".to_string()));
+    // the checkpoint as a PRM (adapters merged) scores as the adapted model; its bias trained
+    for r in candle_cp_comm::run_ranks(1, |g| -> Result<()> {
+        let (dev, dt) = (candle_core::Device::Cpu, candle_core::DType::F32);
+        let ctx = crate::ParallelCtx::new(g, Layout::single())?;
+        let merged = crate::reward::load_reward_model(&ck, &ctx, &dev, dt)?;
+        let (vm, c) = crate::load_hf_sharded(crate::lora::base_model_dir(&ck)?, &ctx, &dev, dt)?;
+        let adapted = crate::lora::load_adapter_sharded(&ck, &c, &vm, &ctx, dt, &dev)?.expect("an adapter");
+        let plain = crate::Llama::new(candle_nn::VarBuilder::from_varmap(&vm, dt, &dev), &adapted, &ctx)?;
+        let bias: Vec<f32> = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?[crate::prm::SCORE_BIAS].as_tensor().to_vec1()?;
+        assert!(bias.iter().any(|&b| b != 0.0), "the bias trained: {bias:?}");
+        let ids = candle_core::Tensor::new(&[[104u32, 105, 61, 73, 72, 10]], &dev)?;
+        let pos = candle_core::Tensor::arange(0u32, 6, &dev)?.unsqueeze(0)?;
+        let docs = [crate::Documents::single(6)?];
+        let (a, b): (Vec<f32>, Vec<f32>) = (merged.token_scores_packed(&ids, &pos, &docs, None)?.flatten_all()?.to_vec1()?, plain.token_scores_packed(&ids, &pos, &docs, None)?.flatten_all()?.to_vec1()?);
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4 * y.abs().max(1.0)), "{a:?} vs {b:?}");
+        Ok(())
+    }) {
+        r?;
+    }
+    // killed after step 5 and resumed from step 4's checkpoint: the straight run's steps 5..8
+    let (a, b) = crate::train::grpo::tests::straight_and_resumed(&cfg(None, Layout::cp(crate::CpKind::Zigzag, 2))?, "prm-lora", 4, 5)?;
+    assert_eq!(b[0].start_step, 4);
+    for (x, y) in a[0].metrics[4..].iter().zip(&b[0].metrics) {
+        assert!((x.train_loss - y.train_loss).abs() < 1e-5, "step {}: {} vs {}", x.step, x.train_loss, y.train_loss);
+    }
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(std::env::temp_dir().join(format!("cp-prm-lora-lm-{}", std::process::id())))?;
+    Ok(())
+}
