@@ -94,6 +94,56 @@ pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
     }
 }
 
+/// A training step's gradient norm (before the `1/grad_accum` of accumulation), over every
+/// rank: `named` the whole gradients and `slices` ZeRO's slices ([`super::grad_step::Summed`]),
+/// `shards` each parameter's TP split, `experts` the expert parameters under EP (their whole
+/// gradients one item, normed over the EP group unless ZeRO splits them). KV-head copies mixed
+/// over the TP ranks count as slices scaled by `1/√copies`. Collective over the layout's
+/// groups.
+pub(crate) fn step_norm(
+    (named, slices): (&std::collections::HashMap<String, Tensor>, &std::collections::HashMap<String, Tensor>),
+    (shards, experts): (&std::collections::HashMap<String, crate::params::Shard>, &std::collections::HashSet<String>),
+    opt: &super::AdamW,
+    ctx: &crate::ParallelCtx,
+) -> Result<f64> {
+    // (KV-head copies mixed over the TP ranks — a rank may hold a head twice — as slices
+    // scaled by 1/√copies)
+    let item = |(n, g): (&String, &Tensor)| -> Result<(Tensor, usize)> {
+        let tp = ctx.layout.tp;
+        Ok(match shards.get(n) {
+            Some(s) if s.mixed_copies(tp) => ((g.to_dtype(candle_core::DType::F32)? / (s.copies(tp) as f64).sqrt())?, 1),
+            Some(s) => (g.clone(), s.copies(tp)),
+            None => (g.clone(), tp),
+        })
+    };
+    let mut full_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| !experts.contains(*n)).collect();
+    full_items.sort_by(|a, b| a.0.cmp(b.0));
+    // the experts' whole gradients under EP: one item, their norm over the EP group (with
+    // ZeRO splitting them over the ranks holding them they are slices, summed over dp_cp
+    // with the others)
+    let mut expert_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| experts.contains(*n)).collect();
+    expert_items.sort_by(|a, b| a.0.cmp(b.0));
+    // (an expert tensor every TP rank holds whole — a LoRA factor of the experts replicated
+    // over TP — scaled by 1/√copies: the TP sum of the item counts it once)
+    let expert_grad = |(n, g): &(&String, &Tensor)| -> Result<Tensor> {
+        match shards.get(*n).map(|s| s.copies(ctx.layout.tp)).filter(|&c| c > 1) {
+            Some(c) => g.to_dtype(candle_core::DType::F32)? / (c as f64).sqrt(),
+            None => Ok((*g).clone()),
+        }
+    };
+    let expert_item = match &ctx.ep {
+        Some(ep) if !opt.splits_experts() => Some((super::clip::group_norm_item(&expert_items.iter().map(expert_grad).collect::<Result<Vec<_>>>()?, ep)?, 1)),
+        _ => None,
+    };
+    let mut slice_items: Vec<(&String, &Tensor)> = slices.iter().collect();
+    slice_items.sort_by(|a, b| a.0.cmp(b.0));
+    let mut full_items: Vec<(Tensor, usize)> = full_items.into_iter().map(item).collect::<Result<_>>()?;
+    full_items.extend(expert_item);
+    let slice_items: Vec<(Tensor, usize)> = slice_items.into_iter().map(item).collect::<Result<_>>()?;
+    let zero_group = opt.is_sharded().then_some(&ctx.dp_cp);
+    global_norm_zero1(&full_items, &slice_items, zero_group, Some(&ctx.tp))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

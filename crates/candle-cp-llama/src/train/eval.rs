@@ -10,7 +10,7 @@
 //! reward accuracy against their own reference log-probabilities ([`super::dpo`]).
 
 use super::data::DataSource;
-use super::trainer::{batch_of, nll_terms};
+use super::batches::{batch_of, nll_terms};
 use super::TrainConfig;
 use crate::{shard_batch, shard_batch_packed, Llama, ParallelCtx};
 use candle_core::{bail, Device, Result, Tensor};

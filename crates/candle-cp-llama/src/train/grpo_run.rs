@@ -230,7 +230,7 @@ impl Rollout {
 /// step. Collective over the world.
 fn old_losses(model: &Llama, r: &Rollout, (cfg, step, micro): (&super::TrainConfig, usize, usize), (ctx, dev): (&ParallelCtx, &Device)) -> Result<Vec<f32>> {
     // (the rows as the trainer batches them)
-    let (ids, _, docs) = super::trainer::rows_batch(&r.rows, cfg, (step, micro), &Device::Cpu)?;
+    let (ids, _, docs) = super::batches::rows_batch(&r.rows, cfg, (step, micro), &Device::Cpu)?;
     let docs = docs.ok_or_else(|| candle_core::Error::Msg("grpo: a rollout row without documents".into()))?;
     let sb = crate::shard_batch_packed(&ids, &docs, ctx)?;
     let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?;

@@ -1,6 +1,8 @@
 //! Per-step training metrics: a JSON-lines log (one object per optimizer step) that survives
 //! restarts, and the process's peak memory.
 
+use super::plot::{write_line_plot, Series};
+use candle_core::Result;
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -196,6 +198,56 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// Write `loss.png` (training loss, all-target loss if different, long-range loss per step,
+/// held-out loss where evaluated) from the metrics file.
+pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
+    let rows = MetricsLog::read(metrics_path).map_err(|e| super::trainer::ioe("reading", metrics_path, e))?;
+    let train: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.train_loss)).collect();
+    let all: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.loss)).collect();
+    let lr: Vec<(f64, f64)> = rows
+        .iter()
+        .map(|r| (r.step as f64, r.long_range_loss.unwrap_or(f64::NAN)))
+        .collect();
+    let same = rows.iter().all(|r| (r.train_loss - r.loss).abs() < 1e-6);
+    let lr_only = rows.iter().all(|r| {
+        r.long_range_loss
+            .is_some_and(|x| (x - r.train_loss).abs() < 1e-4)
+    });
+    let mut series = vec![];
+    if !lr_only {
+        series.push(Series {
+            label: "train loss",
+            color: [31, 119, 180],
+            points: &train,
+        });
+    }
+    if !same {
+        series.push(Series {
+            label: "all-target loss",
+            color: [150, 150, 150],
+            points: &all,
+        });
+    }
+    if lr.iter().any(|p| p.1.is_finite()) {
+        let label = if lr_only {
+            "long-range loss (trained)"
+        } else {
+            "long-range loss"
+        };
+        series.push(Series {
+            label,
+            color: [214, 39, 40],
+            points: &lr,
+        });
+    }
+    // held-out loss at the steps that evaluated
+    let eval: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.eval_loss.map(|x| (r.step as f64, x))).collect();
+    if !eval.is_empty() {
+        series.push(Series { label: "held-out loss", color: [44, 160, 44], points: &eval });
+    }
+    write_line_plot(png_path, 800, 480, &series).map_err(|e| super::trainer::ioe("writing", png_path, e))
 }
 
 #[cfg(test)]

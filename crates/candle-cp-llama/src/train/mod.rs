@@ -30,6 +30,8 @@ mod param_gather;
 pub mod plot;
 pub mod preference;
 pub mod reward;
+mod batches;
+mod run_save;
 pub mod prm;
 mod classifier;
 pub mod reward_command;

@@ -11,18 +11,20 @@
 //! inside documents, RoPE positions per document, no target across a boundary; the loss is
 //! the mean over the remaining targets of all ranks, as for plain rows.
 
-use super::data::DataSource;
-use super::checkpoint::{begin_checkpoint, commit_checkpoint, latest_checkpoint, TrainState};
-use super::clip::{clip_factor, global_norm_zero1};
+use super::batches::{global_batch, nll_terms, rows_batch};
+// (for the trainer's tests, which see this module's names)
+#[cfg(test)]
+use {super::batches::batch_of, super::data::DataSource};
+use super::checkpoint::{latest_checkpoint, TrainState};
+use super::clip::clip_factor;
+pub use super::metrics::plot_metrics;
 use super::metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
 use super::optim::AdamW;
-use super::plot::{write_line_plot, Series};
 use crate::{
-    global_mean, init_params_sharded, load_hf_sharded, param_specs, save_hf_sharded, shard_batch, shard_batch_packed, Llama, ParallelCtx, IGNORE,
+    global_mean, init_params_sharded, load_hf_sharded, param_specs, shard_batch, shard_batch_packed, Llama, ParallelCtx, IGNORE,
 };
 use candle_core::{bail, Device, Result, Tensor};
 use candle_cp_comm::Group;
-use candle_cp_ops::packing::Documents;
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::Path;
@@ -30,118 +32,8 @@ use std::time::Instant;
 
 pub use super::config::{ModelSource, TrainConfig, TrainOutcome};
 
-fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
+pub(super) fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
     candle_core::Error::Msg(format!("{what} {}: {e}", p.display()))
-}
-
-/// `(Σ nll, count)` over this rank's targets (labels ≠ [`IGNORE`]) and over its long-range
-/// targets (`mask` = 1): `[all_sum, all_n, lr_sum, lr_n]`, from the per-token losses `nll`
-/// (f32 values), `labels` and `mask` (u32 values), all of one shard `[B, Ts]` flattened.
-pub(crate) fn nll_terms(nll: &[f32], labels: &[u32], mask: &[u32]) -> [f64; 4] {
-    let mut out = [0.0; 4];
-    for ((&v, &l), &m) in nll.iter().zip(labels).zip(mask) {
-        if l != IGNORE {
-            out[0] += v as f64;
-            out[1] += 1.0;
-            if m == 1 {
-                out[2] += v as f64;
-                out[3] += 1.0;
-            }
-        }
-    }
-    out
-}
-
-/// Global batch `[B, T]` of token ids and of long-range flags for one micro-batch, and the
-/// rows' packed documents (`None` unless the data source packs documents).
-fn global_batch(
-    cfg: &TrainConfig,
-    step: usize,
-    micro: usize,
-    dev: &Device,
-) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
-    batch_of(&cfg.data, cfg.seed, cfg, step, micro, dev)
-}
-
-/// [`global_batch`] of `data` drawn from `seed` (the held-out batches: [`super::eval`]).
-pub(crate) fn batch_of(
-    data: &DataSource,
-    seed: u64,
-    cfg: &TrainConfig,
-    step: usize,
-    micro: usize,
-    dev: &Device,
-) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
-    rows_batch(&data.rows(seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?, cfg, (step, micro), dev)
-}
-
-/// `rows` as a micro-batch: ids and marks `[B, T]` on `dev`, their documents.
-pub(super) fn rows_batch(rows: &[super::Sample], cfg: &TrainConfig, (step, micro): (usize, usize), dev: &Device) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
-    let ids: Vec<u32> = rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-    let mask: Vec<u32> = rows
-        .iter()
-        .flat_map(|s| s.long_range.iter().map(|&b| b as u32))
-        .collect();
-    let docs: Option<Vec<Documents>> = rows.iter().map(|s| s.documents.clone()).collect();
-    if docs.is_none() && rows.iter().any(|s| s.documents.is_some()) {
-        bail!("train: step {step} micro-batch {micro}: some rows carry packed documents and some do not")
-    }
-    let shape = (cfg.batch, cfg.seq_len);
-    Ok((
-        Tensor::from_vec(ids, shape, dev)?,
-        Tensor::from_vec(mask, shape, dev)?,
-        docs,
-    ))
-}
-
-/// Write `loss.png` (training loss, all-target loss if different, long-range loss per step,
-/// held-out loss where evaluated) from the metrics file.
-pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
-    let rows = MetricsLog::read(metrics_path).map_err(|e| ioe("reading", metrics_path, e))?;
-    let train: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.train_loss)).collect();
-    let all: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.loss)).collect();
-    let lr: Vec<(f64, f64)> = rows
-        .iter()
-        .map(|r| (r.step as f64, r.long_range_loss.unwrap_or(f64::NAN)))
-        .collect();
-    let same = rows.iter().all(|r| (r.train_loss - r.loss).abs() < 1e-6);
-    let lr_only = rows.iter().all(|r| {
-        r.long_range_loss
-            .is_some_and(|x| (x - r.train_loss).abs() < 1e-4)
-    });
-    let mut series = vec![];
-    if !lr_only {
-        series.push(Series {
-            label: "train loss",
-            color: [31, 119, 180],
-            points: &train,
-        });
-    }
-    if !same {
-        series.push(Series {
-            label: "all-target loss",
-            color: [150, 150, 150],
-            points: &all,
-        });
-    }
-    if lr.iter().any(|p| p.1.is_finite()) {
-        let label = if lr_only {
-            "long-range loss (trained)"
-        } else {
-            "long-range loss"
-        };
-        series.push(Series {
-            label,
-            color: [214, 39, 40],
-            points: &lr,
-        });
-    }
-    // held-out loss at the steps that evaluated
-    let eval: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.eval_loss.map(|x| (r.step as f64, x))).collect();
-    if !eval.is_empty() {
-        series.push(Series { label: "held-out loss", color: [44, 160, 44], points: &eval });
-    }
-    write_line_plot(png_path, 800, 480, &series).map_err(|e| ioe("writing", png_path, e))
 }
 
 /// Run (or resume) training on this rank. Collective over `world`; every rank gets the same
@@ -324,9 +216,8 @@ pub fn train_rank(
     let grad_steps = super::grad_step::GradSteps::new(&model, &varmap, &mcfg, &ctx, &opt, cfg.overlap_grad_sync, cfg.zero2)?;
     // ZeRO's parameter all-gathers left running into the next forward (overlap_param_gather)
     let param_gather = super::param_gather::ParamGather::new(&model, &ctx, cfg.overlap_param_gather)?;
-    let (dp_i, cp_i, tp_i) = ctx.coords;
-    let opt_writer = dp_i == 0 && cp_i == 0;
-    let opt_file = |dir: &Path| dir.join(format!("optimizer-tp{tp_i}.safetensors"));
+    let tp_i = ctx.coords.2;
+    let opt_file = |dir: &Path| super::run_save::optimizer_file(dir, tp_i);
     let mut resharded_from = None;
     let (start_step, mut tokens_seen, prev_elapsed) = match (&resume_from, &state) {
         (Some(dir), Some(st)) => {
@@ -375,64 +266,8 @@ pub fn train_rank(
         _ => None,
     };
 
-    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64, (bco_mean, reference, grpo): (Option<super::bco::RunningMean>, Option<&super::tr_dpo::RefModel>, Option<&super::grpo_run::GrpoRun>)| -> Result<()> {
-        let Some(root) = &ckpt_root else {
-            return Ok(());
-        };
-        if is_main {
-            begin_checkpoint(root, step).map_err(|e| ioe("creating checkpoint in", root, e))?;
-        }
-        world.barrier()?;
-        let tmp = root.join(format!(".tmp-{}", super::checkpoint::checkpoint_name(step)));
-        // gathered one parameter at a time and streamed into the file by the main rank
-        // (a LoRA run: only the adapters, as a PEFT adapter naming the base model)
-        match &lora_base {
-            Some(base) => {
-                base.write_once(&varmap, &mcfg, &ctx, &world, is_main)?;
-                super::lora::save_adapters(&tmp, &varmap, &mcfg, &ctx, is_main, &base.path.display().to_string())?;
-            }
-            None => {
-                save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?;
-                // the tokenizer, generation defaults and special token ids of the model the run
-                // started from (or of the checkpoint it resumed, which carried them)
-                if let (Some(from), true) = (base_dir.as_ref().or(resume_from.as_ref()), is_main) {
-                    crate::hf_files::carry_model_files(from, &tmp)?;
-                }
-                // (the tokenizer the data was tokenised with, where the model gave none)
-                if let (Some(tk), true) = (&cfg.tokenizer, is_main) {
-                    crate::hf_files::write_tokenizer(tk, &tmp)?;
-                }
-            }
-        }
-        // (TR-DPO: the reference as it is, for a resumed run to go on with)
-        if let Some(r) = reference {
-            r.save(&tmp.join("reference"), &ctx, is_main)?;
-        }
-        // (GRPO: the completions the next steps still train on)
-        if let Some(g) = grpo {
-            g.save(&tmp, step, is_main)?;
-        }
-        opt.save_from(opt_file(&tmp), opt_writer)?;
-        world.barrier()?;
-        if is_main {
-            let st = TrainState {
-                step,
-                seed: cfg.seed,
-                micro_batches_done: step * cfg.grad_accum,
-                tokens_seen,
-                elapsed_s: elapsed,
-                world_size: world.size(),
-                layout: cfg.layout.to_string(),
-                args: cfg.args.clone(),
-                bco_mean,
-            };
-            st.save(tmp.join("train_state.json"))
-                .map_err(|e| ioe("writing", &tmp, e))?;
-            commit_checkpoint(root, step, cfg.keep)
-                .map_err(|e| ioe("publishing checkpoint in", root, e))?;
-        }
-        world.barrier()
-    };
+    // (each checkpoint: the weights or adapters, the optimizer's state, the run's state)
+    let saver = super::run_save::RunSaver { cfg, root: ckpt_root.as_deref(), world: &world, ctx: &ctx, varmap: &varmap, mcfg: &mcfg, lora_base: lora_base.as_ref(), carry_from: base_dir.as_deref().or(resume_from.as_deref()), is_main };
 
     let t_start = Instant::now();
     let mut out = Vec::new();
@@ -605,43 +440,8 @@ pub fn train_rank(
             grad_steps.after_backward(&mut acc, g, &opt)?;
         }
         let super::grad_step::Summed { whole: mut named, slices } = grad_steps.finish(acc, &opt)?;
-        // (KV-head copies mixed over the TP ranks — a rank may hold a head twice — as slices
-        // scaled by 1/√copies)
-        let item = |(n, g): (&String, &Tensor)| -> Result<(Tensor, usize)> {
-            let tp = ctx.layout.tp;
-            Ok(match shards.get(n) {
-                Some(s) if s.mixed_copies(tp) => ((g.to_dtype(candle_core::DType::F32)? / (s.copies(tp) as f64).sqrt())?, 1),
-                Some(s) => (g.clone(), s.copies(tp)),
-                None => (g.clone(), tp),
-            })
-        };
-        let mut full_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| !experts.contains(*n)).collect();
-        full_items.sort_by(|a, b| a.0.cmp(b.0));
-        // the experts' whole gradients under EP: one item, their norm over the EP group (with
-        // ZeRO splitting them over the ranks holding them they are slices, summed over dp_cp
-        // with the others)
-        let mut expert_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| experts.contains(*n)).collect();
-        expert_items.sort_by(|a, b| a.0.cmp(b.0));
-        // (an expert tensor every TP rank holds whole — a LoRA factor of the experts replicated
-        // over TP — scaled by 1/√copies: the TP sum of the item counts it once)
-        let expert_grad = |(n, g): &(&String, &Tensor)| -> Result<Tensor> {
-            match shards.get(*n).map(|s| s.copies(ctx.layout.tp)).filter(|&c| c > 1) {
-                Some(c) => g.to_dtype(candle_core::DType::F32)? / (c as f64).sqrt(),
-                None => Ok((*g).clone()),
-            }
-        };
-        let expert_item = match &ctx.ep {
-            Some(ep) if !opt.splits_experts() => Some((super::clip::group_norm_item(&expert_items.iter().map(expert_grad).collect::<Result<Vec<_>>>()?, ep)?, 1)),
-            _ => None,
-        };
-        let mut slice_items: Vec<(&String, &Tensor)> = slices.iter().collect();
-        slice_items.sort_by(|a, b| a.0.cmp(b.0));
-        let mut full_items: Vec<(Tensor, usize)> = full_items.into_iter().map(item).collect::<Result<_>>()?;
-        full_items.extend(expert_item);
-        let slice_items: Vec<(Tensor, usize)> = slice_items.into_iter().map(item).collect::<Result<_>>()?;
         let inv_accum = 1.0 / cfg.grad_accum as f64;
-        let zero_group = opt.is_sharded().then_some(&ctx.dp_cp);
-        let norm = global_norm_zero1(&full_items, &slice_items, zero_group, Some(&ctx.tp))? * inv_accum;
+        let norm = super::clip::step_norm((&named, &slices), (&shards, &experts), &opt, &ctx)? * inv_accum;
         named.extend(slices);
         let factor = clip_factor(norm, cfg.clip);
         // the losses and expert counts over the ranks holding distinct tokens (TP ranks under
@@ -739,7 +539,7 @@ pub fn train_rank(
         let last = done == cfg.steps;
         if last || (cfg.save_every > 0 && done % cfg.save_every == 0) {
             param_gather.finish()?;
-            save(
+            saver.save(
                 done,
                 &opt,
                 tokens_seen,
