@@ -23,11 +23,13 @@
 //! cargo run --release --example generate -- --model DIR --chat --messages conversation.json --prompt "And then?"
 //! cargo run --release --example generate -- --model DIR --prompts questions.txt --stop-at-eos
 //! cargo run --release --example generate -- --model DIR --prompts questions.txt --temperature 1 --best-of 8 --reward-model RM
+//! cargo run --release --example generate -- --model DIR --prompts questions.txt --temperature 1 --best-of 8 --reward-model PRM --step-aggregate min
 //! ```
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use candle_cp_comm::run_ranks;
+use candle_cp_llama::train::reward::Judge;
 use candle_cp_llama::{
     load_hf_sharded, CpKind, Generation, Layout, Llama, LlamaConfig, ParallelCtx, Sampling,
 };
@@ -143,9 +145,18 @@ struct Args {
     #[arg(long, value_name = "N")]
     best_of: Option<usize>,
     /// The reward model of --best-of: a *ForSequenceClassification checkpoint of one label
-    /// sharing the model's tokenizer (or a LoRA reward run's checkpoint).
+    /// sharing the model's tokenizer (or a LoRA reward run's checkpoint), or a process reward
+    /// model (a *ForTokenClassification, e.g. from finetune_llama --prm), which judges each
+    /// completion's steps.
     #[arg(long, value_name = "DIR")]
     reward_model: Option<PathBuf>,
+    /// A process reward model's steps end at this text's tokens (`\n` is a newline).
+    #[arg(long, default_value = "\\n")]
+    step_separator: String,
+    /// How a process reward model's step probabilities make a completion's reward: min, last
+    /// or prod.
+    #[arg(long, default_value = "min")]
+    step_aggregate: String,
 }
 
 #[path = "generate_best_of.rs"]
@@ -405,7 +416,17 @@ fn main() -> anyhow::Result<()> {
             if adapter.is_some() || quant.is_some() || a.sliding_window.is_some() {
                 bail!("--best-of samples the model as its checkpoint holds it: not with an adapter, --quantize-base or --sliding-window")
             }
-            let b = best_of::BestOf { dev: &dev, policy: &dir, reward_model: rm, rows: &rows, n, new, sampling, stop: &stop };
+            // (a process reward model judges the steps: the separator's tokens, no special ones)
+            let rm_cfg = candle_cp_llama::LlamaConfig::from_file(candle_cp_llama::lora::base_model_dir(rm)?.join("config.json"))?;
+            let separator: Vec<u32> = match &tokenizer {
+                Some(tk) => tk.encode(a.step_separator.replace("\\n", "\n"), false).map_err(|e| anyhow::anyhow!("tokenizing --step-separator: {e}"))?.get_ids().to_vec(),
+                None => a.step_separator.replace("\\n", "\n").bytes().map(u32::from).collect(),
+            };
+            let judge = match rm_cfg.token_classifier {
+                Some(_) => Judge::Process { separator: &separator, aggregate: a.step_aggregate.parse()? },
+                None => Judge::Outcome,
+            };
+            let b = best_of::BestOf { dev: &dev, policy: &dir, reward_model: rm, judge, rows: &rows, n, new, sampling, stop: &stop };
             return best_of::run(&b, layout, &|t: &[u32]| as_text(t));
         }
         (None, None) => {}

@@ -1,11 +1,12 @@
 //! `generate --best-of N --reward-model DIR`: best-of-N sampling (rejection sampling with a
-//! reward model, `candle_cp_llama::train::reward::best_of_n`) on one device and on the layout,
+//! reward model, `candle_cp_llama::train::reward::best_of_n`; a process reward model judging
+//! each completion's steps, `--step-separator`, `--step-aggregate`) on one device and on the layout,
 //! compared: the same completions and picks, the rewards within 1e-4 (relative above 1).
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device};
 use candle_cp_comm::run_ranks;
-use candle_cp_llama::train::reward::{best_of_n, BestOfN};
+use candle_cp_llama::train::reward::{best_of_n, BestOfN, Judge};
 use candle_cp_llama::{load_hf_sharded, Layout, Llama, ParallelCtx, Sampling};
 use candle_nn::VarBuilder;
 use std::path::Path;
@@ -16,6 +17,7 @@ pub struct BestOf<'a> {
     pub dev: &'a Device,
     pub policy: &'a Path,
     pub reward_model: &'a Path,
+    pub judge: Judge<'a>,
     pub rows: &'a [Vec<u32>],
     pub n: usize,
     pub new: usize,
@@ -30,7 +32,7 @@ fn on_layout(b: &BestOf, layout: Layout) -> anyhow::Result<Vec<BestOfN>> {
         let (vm, cfg) = load_hf_sharded(b.policy, &ctx, b.dev, DType::F32)?;
         let policy = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, b.dev), &cfg, &ctx)?;
         let rm = candle_cp_llama::reward::load_reward_model(b.reward_model, &ctx, b.dev, DType::F32)?;
-        best_of_n(&policy, &rm, b.rows, b.n, b.new, b.sampling, b.stop, layout.dp)
+        best_of_n(&policy, (&rm, b.judge), b.rows, b.n, b.new, b.sampling, b.stop, layout.dp)
     });
     out.into_iter().next().context("no rank")?.with_context(|| format!("best-of-{} on {layout}", b.n))
 }

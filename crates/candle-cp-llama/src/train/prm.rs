@@ -339,6 +339,10 @@ pub fn step_probabilities(model: &Llama, set: &StepSet, batch: usize, seq_len: u
     set.docs.iter().map(|(_, l)| (0..l[..l.len().min(seq_len)].iter().filter(|&&x| x != IGNORE).count()).map(|_| steps.next().ok_or_else(|| candle_core::Error::Msg("step_probabilities: internal error (a step not scored)".into()))).collect()).collect()
 }
 
+#[path = "prm_completions.rs"]
+mod completions;
+pub use completions::{completion_rewards, step_ends, StepAggregate};
+
 #[cfg(test)]
 #[path = "prm_tests.rs"]
 pub(crate) mod tests;

@@ -183,3 +183,55 @@ fn step_probabilities_are_each_examples_softmax_on_every_layout() -> Result<()> 
     }
     Ok(())
 }
+
+/// A completion's steps end at each separator occurrence's last token and at its own last
+/// token; the aggregates are the least, the last and the product; names parse.
+#[test]
+fn completions_split_into_steps_and_aggregate() -> Result<()> {
+    assert_eq!(step_ends(&[1, 2, 7, 8, 3, 7, 8], &[7, 8]), [3, 6]);
+    assert_eq!(step_ends(&[1, 2, 7, 8, 3, 4], &[7, 8]), [3, 5]);
+    assert_eq!(step_ends(&[7, 7, 7], &[7, 7]), [1, 2]);
+    assert_eq!(step_ends(&[5], &[10]), [0]);
+    assert!(step_ends(&[], &[10]).is_empty());
+    let p = [0.9, 0.2, 0.5];
+    assert_eq!((StepAggregate::Min.of(&p), StepAggregate::Last.of(&p)), (0.2, 0.5));
+    assert!((StepAggregate::Prod.of(&p) - 0.09).abs() < 1e-12);
+    assert_eq!("prod".parse::<StepAggregate>()?, StepAggregate::Prod);
+    assert!("mean".parse::<StepAggregate>().unwrap_err().to_string().contains("min, last or prod"));
+    Ok(())
+}
+
+/// A completion's reward is its steps' probabilities of label 1 ([`step_probabilities`] of the
+/// document labelled at the step ends) aggregated; a sequence classifier, an empty completion
+/// and a document longer than the rows are refused.
+#[test]
+fn completion_rewards_aggregate_the_steps_probabilities() -> Result<()> {
+    let cfg = crate::LlamaConfig::tiny(128, 32, 1, 4, 2).with_num_labels(Some(2)).with_token_classifier(Some(crate::prm::TokenClassifier::new(0.1)?));
+    let out = candle_cp_comm::run_ranks(1, |g| -> Result<()> {
+        let ctx = crate::ParallelCtx::new(g, crate::Layout::single())?;
+        let dev = Device::Cpu;
+        let vm = crate::init_params_sharded(&cfg, 6, candle_core::DType::F32, &ctx, &dev)?;
+        let prm = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, candle_core::DType::F32, &dev), &cfg, &ctx)?;
+        let docs: Vec<(&[u32], &[u32])> = vec![(&[1, 2, 3], &[4, 10, 5, 6, 10]), (&[7], &[8, 9, 10, 11])];
+        for agg in [StepAggregate::Min, StepAggregate::Last, StepAggregate::Prod] {
+            let got = completion_rewards(&prm, &docs, &[10], agg, 1, 16, &dev)?;
+            // (by hand: the documents labelled at their steps' ends)
+            let set = StepSet::from_examples(vec![
+                (vec![1, 2, 3, 4, 10, 5, 6, 10], vec![IGNORE, IGNORE, IGNORE, IGNORE, 0, IGNORE, IGNORE, 0]),
+                (vec![7, 8, 9, 10, 11], vec![IGNORE, IGNORE, IGNORE, 0, 0]),
+            ])?;
+            let p = step_probabilities(&prm, &set, 1, 16, &dev)?;
+            let want: Vec<f64> = p.iter().map(|steps| agg.of(&steps.iter().map(|s| s[1]).collect::<Vec<_>>())).collect();
+            assert_eq!(got, want, "{agg:?}");
+            assert_eq!(p.iter().map(Vec::len).collect::<Vec<_>>(), [2, 2]);
+        }
+        let seq = crate::LlamaConfig::tiny(128, 32, 1, 4, 2).with_num_labels(Some(1));
+        let rm = Llama::new(candle_nn::VarBuilder::from_varmap(&crate::init_params_sharded(&seq, 6, candle_core::DType::F32, &ctx, &dev)?, candle_core::DType::F32, &dev), &seq, &ctx)?;
+        assert!(completion_rewards(&rm, &docs, &[10], StepAggregate::Min, 1, 16, &dev).unwrap_err().to_string().contains("not a process reward model"));
+        assert!(completion_rewards(&prm, &[(&[1], &[])], &[10], StepAggregate::Min, 1, 16, &dev).unwrap_err().to_string().contains("empty"));
+        assert!(completion_rewards(&prm, &docs, &[10], StepAggregate::Min, 1, 6, &dev).unwrap_err().to_string().contains("rows hold 6"));
+        assert!(completion_rewards(&prm, &docs, &[], StepAggregate::Min, 1, 16, &dev).unwrap_err().to_string().contains("separator has no token"));
+        Ok(())
+    });
+    out.into_iter().collect()
+}

@@ -280,30 +280,55 @@ pub struct BestOfN {
     pub best: usize,
 }
 
+/// How [`best_of_n`]'s reward model judges a completion.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Judge<'a> {
+    /// An outcome reward model (a sequence classifier of one label): its score of `prompt ++
+    /// completion` at the last token ([`score_documents`]).
+    Outcome,
+    /// A process reward model (a token classifier): the completion's steps ended by
+    /// `separator`'s tokens, each step's probability of being right, made one reward by
+    /// `aggregate` ([`super::prm::completion_rewards`]).
+    Process {
+        /// The step separator's token ids.
+        separator: &'a [u32],
+        /// How the steps' probabilities make the reward.
+        aggregate: super::prm::StepAggregate,
+    },
+}
+
 /// Best-of-N sampling (rejection sampling with a reward model, as RAFT or Llama 2's
 /// rejection-sampling fine-tuning draw data): `n` completions of each prompt sampled by `policy`
 /// in one batch of different lengths ([`Llama::generate_ragged`], at most `max_new_tokens`,
-/// ending at `stop`), each `prompt ++ completion` scored by reward model `rm` on the same layout
-/// ([`score_documents`], `batch` rows per forward), the best kept per prompt. The same on every
+/// ending at `stop`), each `prompt ++ completion` judged by reward model `rm` on the same layout
+/// as `judge` says (`batch` rows per forward), the best kept per prompt. The same on every
 /// rank. `prompts · n` must divide by DP; the reward model must share the policy's
 /// vocabulary. Collective over the world.
 #[allow(clippy::too_many_arguments)]
-pub fn best_of_n(policy: &Llama, rm: &Llama, prompts: &[Vec<u32>], n: usize, max_new_tokens: usize, sampling: crate::Sampling, stop: &[u32], batch: usize) -> Result<Vec<BestOfN>> {
+pub fn best_of_n(policy: &Llama, (rm, judge): (&Llama, Judge), prompts: &[Vec<u32>], n: usize, max_new_tokens: usize, sampling: crate::Sampling, stop: &[u32], batch: usize) -> Result<Vec<BestOfN>> {
     if n == 0 || prompts.is_empty() {
         bail!("best_of_n: {n} samples of {} prompts: needs at least one of each", prompts.len())
     }
     if n > 1 && sampling == crate::Sampling::Greedy {
         bail!("best_of_n: {n} greedy samples of a prompt are one completion n times: sample (a temperature)")
     }
-    if rm.config().num_labels != Some(1) || rm.config().vocab_size != policy.config().vocab_size {
-        bail!("best_of_n: the reward model ({:?} labels, vocabulary {}) must have one label and the policy's vocabulary {}", rm.config().num_labels, rm.config().vocab_size, policy.config().vocab_size)
+    let (rc, outcome) = (rm.config(), judge == Judge::Outcome);
+    if rc.vocab_size != policy.config().vocab_size || (outcome && (rc.num_labels != Some(1) || rc.token_classifier.is_some())) {
+        bail!("best_of_n: the reward model ({}, {:?} labels, vocabulary {}) must share the policy's vocabulary {}{}", rc.hf_class(), rc.num_labels, rc.vocab_size, policy.config().vocab_size, if outcome { " and score sequences with one label (a process reward model judges steps: Judge::Process)" } else { "" })
     }
     let rows: Vec<Vec<u32>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.clone(), n)).collect();
     let tokens = policy.generate_ragged(&rows, max_new_tokens, sampling, stop)?.tokens;
     let docs: Vec<Vec<u32>> = rows.iter().zip(&tokens).map(|(p, c)| p.iter().chain(c).copied().collect()).collect();
     let m = rm.forward_multiple();
     let seq_len = docs.iter().map(Vec::len).max().unwrap_or(1).div_ceil(m) * m;
-    let rewards = score_documents(rm, &docs, batch, seq_len, &policy.embed.device().clone())?;
+    let dev = policy.embed.device().clone();
+    let rewards = match judge {
+        Judge::Outcome => score_documents(rm, &docs, batch, seq_len, &dev)?,
+        Judge::Process { separator, aggregate } => {
+            let pairs: Vec<(&[u32], &[u32])> = rows.iter().zip(&tokens).map(|(p, c)| (p.as_slice(), c.as_slice())).collect();
+            super::prm::completion_rewards(rm, &pairs, separator, aggregate, batch, seq_len, &dev)?
+        }
+    };
     Ok(tokens
         .chunks(n)
         .zip(rewards.chunks(n))

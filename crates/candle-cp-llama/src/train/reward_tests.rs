@@ -59,32 +59,52 @@ fn margins_are_read_with_the_pairs() -> Result<()> {
 }
 
 /// Best-of-N: N sampled completions per prompt (prompts of different lengths in one batch),
-/// each scored by a reward model as alone, the best the highest; zigzag CP 2 and TP 2 + SP ×
-/// DP 2 draw the same completions, score them alike and keep the same ones; greedy N > 1 and a
-/// reward model of another vocabulary are refused.
+/// each scored by a reward model as alone — or judged step by step by a process reward model,
+/// the steps' probabilities aggregated —, the best the highest; zigzag CP 2 and TP 2 + SP ×
+/// DP 2 draw the same completions, score them alike and keep the same ones; greedy N > 1, a
+/// reward model of another vocabulary and a judge of the other kind are refused.
 #[test]
 fn best_of_n_keeps_the_highest_reward_on_every_layout() -> Result<()> {
+    for process in [false, true] {
+        best_of_n_with_judge(process)?;
+    }
+    Ok(())
+}
+
+fn best_of_n_with_judge(process: bool) -> Result<()> {
     use crate::{init_params_sharded, Layout, Llama, ParallelCtx, Sampling};
     let (dev, dt) = (Device::Cpu, DType::F32);
     let pcfg = crate::LlamaConfig::tiny(128, 32, 1, 2, 1);
-    let rcfg = pcfg.clone().with_num_labels(Some(1));
+    let seq = pcfg.clone().with_num_labels(Some(1));
+    let tok = pcfg.clone().with_num_labels(Some(2)).with_token_classifier(Some(crate::prm::TokenClassifier::new(0.1)?));
+    let (rcfg, wrong) = if process { (&tok, &seq) } else { (&seq, &tok) };
+    let judge = match process {
+        true => Judge::Process { separator: &[7, 8], aggregate: crate::train::prm::StepAggregate::Min },
+        false => Judge::Outcome,
+    };
     let prompts = vec![vec![5u32, 6, 7], vec![9; 5], vec![11, 12]];
     let sampling = Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 9 };
     let go = |layout: Layout| -> Result<Vec<BestOfN>> {
         let out = candle_cp_comm::run_ranks(layout.world_size(), |g| -> Result<Vec<BestOfN>> {
             let ctx = ParallelCtx::new(g, layout)?;
             let model = |c: &crate::LlamaConfig, seed: u64| -> Result<Llama> { Llama::new(candle_nn::VarBuilder::from_varmap(&init_params_sharded(c, seed, dt, &ctx, &dev)?, dt, &dev), c, &ctx) };
-            let (p, r) = (model(&pcfg, 3)?, model(&rcfg, 4)?);
+            let (p, r) = (model(&pcfg, 3)?, model(rcfg, 4)?);
             if layout == Layout::single() {
-                assert!(best_of_n(&p, &r, &prompts, 2, 6, Sampling::Greedy, &[2], 1).unwrap_err().to_string().contains("greedy"));
-                let other = model(&crate::LlamaConfig::tiny(64, 32, 1, 2, 1).with_num_labels(Some(1)), 4)?;
-                assert!(best_of_n(&p, &other, &prompts, 2, 6, sampling, &[2], 1).unwrap_err().to_string().contains("vocabulary"));
+                assert!(best_of_n(&p, (&r, judge), &prompts, 2, 6, Sampling::Greedy, &[2], 1).unwrap_err().to_string().contains("greedy"));
+                let other = model(&crate::LlamaConfig::tiny(64, 32, 1, 2, 1).with_num_labels(rcfg.num_labels).with_token_classifier(rcfg.token_classifier), 4)?;
+                assert!(best_of_n(&p, (&other, judge), &prompts, 2, 6, sampling, &[2], 1).unwrap_err().to_string().contains("vocabulary"));
+                let e = best_of_n(&p, (&model(wrong, 4)?, judge), &prompts, 2, 6, sampling, &[2], 1).unwrap_err().to_string();
+                assert!(e.contains(if process { "not a process reward model" } else { "Judge::Process" }), "{e}");
             }
-            best_of_n(&p, &r, &prompts, 4, 6, sampling, &[2], layout.dp)
+            best_of_n(&p, (&r, judge), &prompts, 4, 6, sampling, &[2], layout.dp)
         });
         out.into_iter().next().ok_or_else(|| candle_core::Error::Msg("no rank".into()))?
     };
     let one = go(Layout::single())?;
+    if process {
+        // (a reward is the least of the steps' probabilities of label 1)
+        assert!(one.iter().flat_map(|b| &b.rewards).all(|&r| (0.0..=1.0).contains(&r)), "{one:?}");
+    }
     assert_eq!(one.len(), 3);
     for b in &one {
         assert_eq!((b.completions.len(), b.rewards.len()), (4, 4));
