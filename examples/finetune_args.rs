@@ -563,7 +563,8 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.grpo.grpo && (a.data.is_none() || a.sft || a.preference() || a.pack_docs) {
         bail!("--grpo samples completions of the prompts of --data FILE.jsonl (prompt / completion examples): without --sft, --dpo, --kto, --bco or --pack-docs")
     }
-    a.prm.check()?;
+    // (--step-separator is also a process reward model's as GRPO's reward)
+    a.prm.check(a.grpo.grpo && a.grpo.reward_model_dir.is_some())?;
     if a.prm.prm && (a.data.is_none() || a.sft || a.preference() || a.grpo.grpo || a.pack_docs) {
         bail!("--prm trains on the stepwise examples of --data FILE.jsonl: without --sft, --dpo, --kto, --bco, --reward-model, --grpo or --pack-docs")
     }

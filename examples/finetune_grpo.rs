@@ -113,6 +113,11 @@ pub(crate) struct GrpoArgs {
     /// loaded frozen on the run's layout; it scores each prompt ++ completion at its last token.
     #[arg(long, value_name = "DIR")]
     pub(crate) reward_model_dir: Option<std::path::PathBuf>,
+    /// How a process reward model's (a `*ForTokenClassification` as --reward-model-dir) step
+    /// probabilities make a completion's reward: min, last or prod (its steps end at
+    /// --step-separator).
+    #[arg(long, default_value = "min")]
+    pub(crate) step_aggregate: String,
     /// The tokens before --max-completion-length over which `--reward overlong` falls from 0 to
     /// −1 (TRL's soft_punish_cache; default: a quarter of the length).
     #[arg(long, value_name = "N")]
@@ -123,8 +128,9 @@ pub(crate) struct GrpoArgs {
 }
 
 impl GrpoArgs {
-    /// The run's GRPO settings (`None` without --grpo), completions ending at `eos`.
-    pub(crate) fn config(&self, eos: Option<u32>, seed: u64, tokenizer: Option<&std::path::Path>) -> Result<Option<GrpoConfig>> {
+    /// The run's GRPO settings (`None` without --grpo), completions ending at `eos`; a process
+    /// reward model's steps end at `step_separator` (tokenised by `tokenizer`, else bytes).
+    pub(crate) fn config(&self, eos: Option<u32>, seed: u64, tokenizer: Option<&std::path::Path>, step_separator: &str) -> Result<Option<GrpoConfig>> {
         if !self.grpo {
             return Ok(None);
         }
@@ -139,7 +145,22 @@ impl GrpoArgs {
         // (the reward model's weight; its scores come from the run, not a function)
         let model_weight = names.iter().zip(&weights).filter(|(n, _)| **n == "model").map(|(_, w)| *w).sum::<f64>();
         let reward_model = match (names.contains(&"model"), &self.reward_model_dir) {
-            (true, Some(dir)) => Some(candle_cp_llama::train::reward::RewardModelSpec { dir: dir.clone(), weight: model_weight }),
+            (true, Some(dir)) => {
+                // (a process reward model judges the completion's steps)
+                let rm = candle_cp_llama::LlamaConfig::from_file(candle_cp_llama::lora::base_model_dir(dir)?.join("config.json"))?;
+                let steps = match rm.token_classifier {
+                    Some(_) => {
+                        let sep = step_separator.replace("\\n", "\n");
+                        let ids = match tokenizer {
+                            Some(p) => tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?.encode(sep, false).map_err(|e| anyhow::anyhow!("tokenizing --step-separator: {e}"))?.get_ids().to_vec(),
+                            None => sep.bytes().map(u32::from).collect(),
+                        };
+                        Some((ids, self.step_aggregate.parse()?))
+                    }
+                    None => None,
+                };
+                Some(candle_cp_llama::train::reward::RewardModelSpec { dir: dir.clone(), weight: model_weight, steps })
+            }
             (true, None) => bail!("--reward model needs --reward-model-dir DIR"),
             (false, Some(_)) => bail!("--reward-model-dir is the reward `model`: name it in --reward"),
             (false, None) => None,

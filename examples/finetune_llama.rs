@@ -305,7 +305,7 @@ fn main() -> Result<()> {
                 (None, Some(dir)) => candle_cp_llama::stop_tokens(dir)?.first().copied(),
                 (None, None) => None,
             };
-            a.grpo.config(eos, a.seed, a.tokenizer.as_deref())?
+            a.grpo.config(eos, a.seed, a.tokenizer.as_deref(), &a.prm.step_separator)?
         },
         expert_bias_update: a.expert_bias_update,
         // (the --tokenizer the data went through, beside each checkpoint's weights)

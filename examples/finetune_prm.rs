@@ -14,7 +14,8 @@ pub(crate) struct PrmArgs {
     /// separator's last token; the loss is the cross-entropy there.
     #[arg(long)]
     pub(crate) prm: bool,
-    /// The text after each step (TRL's step_separator; `\n` is a newline).
+    /// The text after each step (TRL's step_separator; `\n` is a newline); with --grpo, where
+    /// a process reward model (--reward-model-dir) cuts each completion into steps.
     #[arg(long, default_value = "\\n")]
     pub(crate) step_separator: String,
     /// Learn each training example's last step only (TRL's train_on_last_step_only; the
@@ -31,10 +32,14 @@ pub(crate) struct PrmArgs {
 }
 
 impl PrmArgs {
-    /// Flags given without --prm are refused.
-    pub(crate) fn check(&self) -> Result<()> {
-        if !self.prm && (self.step_separator != "\\n" || self.train_on_last_step_only || self.prm_labels != 2 || self.classifier_dropout.is_some()) {
-            bail!("--step-separator, --train-on-last-step-only, --prm-labels and --classifier-dropout are --prm's: add it")
+    /// Flags given without --prm are refused (`--step-separator` also goes with GRPO's reward
+    /// model: `separator_used`).
+    pub(crate) fn check(&self, separator_used: bool) -> Result<()> {
+        if !self.prm && (self.train_on_last_step_only || self.prm_labels != 2 || self.classifier_dropout.is_some()) {
+            bail!("--train-on-last-step-only, --prm-labels and --classifier-dropout are --prm's: add it")
+        }
+        if !self.prm && !separator_used && self.step_separator != "\\n" {
+            bail!("--step-separator ends a process reward model's steps: add --prm, or --grpo with --reward-model-dir")
         }
         Ok(())
     }

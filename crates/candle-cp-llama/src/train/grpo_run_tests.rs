@@ -546,7 +546,7 @@ fn a_reward_model_rewards_completions() -> Result<()> {
         c.grpo = Some(GrpoConfig { reward: zero.clone(), reward_model: Some(spec), ..grpo_cfg(ImportanceLevel::Token, 1) });
         c
     };
-    let spec = RewardModelSpec { dir: dir.join("rm"), weight: 2.0 };
+    let spec = RewardModelSpec { dir: dir.join("rm"), weight: 2.0, steps: None };
     let one = run(&with(Layout::single(), spec.clone()))?;
     let m = &one[0].metrics;
     assert!(m.iter().all(|s| s.grpo_reward.is_some_and(|r| r != 0.0) && s.grpo_zero_std == Some(0.0)), "{m:?}");
@@ -560,12 +560,29 @@ fn a_reward_model_rewards_completions() -> Result<()> {
     // refused: a causal LM; a reward model of another vocabulary
     let lm = LlamaConfig::tiny(128, 32, 1, 2, 1);
     crate::save_hf(dir.join("lm"), &init_params(&lm, 9, DType::F32, &Device::Cpu)?, &lm)?;
-    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("lm"), weight: 1.0 })).unwrap_err().to_string();
+    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("lm"), weight: 1.0, steps: None })).unwrap_err().to_string();
     assert!(e.contains("not a reward model"), "{e}");
     let small = LlamaConfig::tiny(64, 32, 1, 2, 1).with_num_labels(Some(1));
     crate::save_hf(dir.join("small"), &init_params(&small, 9, DType::F32, &Device::Cpu)?, &small)?;
-    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("small"), weight: 1.0 })).unwrap_err().to_string();
+    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("small"), weight: 1.0, steps: None })).unwrap_err().to_string();
     assert!(e.contains("must share its tokenizer"), "{e}");
+    // a process reward model: each completion's steps (at token 10) judged, the least
+    // probability of being right the reward (in [0, weight]); the layouts alike; refused
+    // without its separator, and an outcome model with one
+    let pcfg = LlamaConfig::tiny(128, 32, 1, 2, 1).with_num_labels(Some(2)).with_token_classifier(Some(crate::prm::TokenClassifier::new(0.1)?));
+    crate::save_hf(dir.join("prm"), &init_params(&pcfg, 9, DType::F32, &Device::Cpu)?, &pcfg)?;
+    let prm = RewardModelSpec { dir: dir.join("prm"), weight: 2.0, steps: Some((vec![10], crate::train::prm::StepAggregate::Min)) };
+    let one = run(&with(Layout::single(), prm.clone()))?;
+    assert!(one[0].metrics.iter().all(|s| s.grpo_reward.is_some_and(|r| r > 0.0 && r < 2.0)), "{:?}", one[0].metrics);
+    let other = run(&with(Layout::cp(CpKind::Zigzag, 2), prm.clone()))?;
+    for (a, b) in one[0].metrics.iter().zip(&other[0].metrics) {
+        let (x, y) = (a.grpo_reward.unwrap_or(0.0), b.grpo_reward.unwrap_or(1.0));
+        assert!((x - y).abs() < 1e-5 && (a.train_loss - b.train_loss).abs() < 1e-5, "zigzag step {}: {a:?} vs {b:?}", a.step);
+    }
+    let e = run(&with(Layout::single(), RewardModelSpec { steps: None, ..prm.clone() })).unwrap_err().to_string();
+    assert!(e.contains("give its step separator"), "{e}");
+    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("rm"), ..prm })).unwrap_err().to_string();
+    assert!(e.contains("is not a process reward model"), "{e}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -345,19 +345,26 @@ pub fn best_of_n(policy: &Llama, (rm, judge): (&Llama, Judge), prompts: &[Vec<u3
 /// A reward model as one of GRPO's rewards ([`super::grpo::GrpoConfig::reward_model`]): a
 /// `*ForSequenceClassification` checkpoint of one label, sharing the policy's tokenizer, whose
 /// score of `prompt ++ completion` (at the completion's last token) times `weight` is added to
-/// the reward functions' (TRL's `reward_funcs` naming a sequence classifier).
+/// the reward functions' (TRL's `reward_funcs` naming a sequence classifier); or a process
+/// reward model (a `*ForTokenClassification`) whose completion's steps' probabilities of being
+/// right, aggregated ([`super::prm::completion_rewards`]), are the score.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RewardModelSpec {
-    /// The reward model's directory (a `*ForSequenceClassification` checkpoint, one label).
+    /// The reward model's directory (a `*ForSequenceClassification` checkpoint of one label, or
+    /// a `*ForTokenClassification` with `steps`).
     pub dir: std::path::PathBuf,
     /// Its weight in the reward (TRL's `reward_weights` entry).
     pub weight: f64,
+    /// A process reward model's step separator (token ids) and aggregate; `None` for an
+    /// outcome reward model.
+    pub steps: Option<(Vec<u32>, super::prm::StepAggregate)>,
 }
 
 /// A GRPO run's reward model, loaded frozen on the run's layout (each rank its shards).
 pub(crate) struct RunRewardModel {
     model: Llama,
     weight: f64,
+    steps: Option<(Vec<u32>, super::prm::StepAggregate)>,
     rows: (usize, usize),
     dev: Device,
 }
@@ -371,21 +378,30 @@ impl RunRewardModel {
         }
         let model = crate::reward::load_reward_model(&spec.dir, ctx, dev, cfg.dtype).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward model: {e}")))?;
         let rcfg = model.config();
-        if rcfg.num_labels != Some(1) {
-            bail!("grpo: {} is not a reward model of one label ({:?} labels)", spec.dir.display(), rcfg.num_labels)
+        match (rcfg.token_classifier.is_some(), &spec.steps) {
+            (true, None) => bail!("grpo: {} is a process reward model ({}): give its step separator and aggregate (RewardModelSpec::steps)", spec.dir.display(), rcfg.hf_class()),
+            (false, Some(_)) => bail!("grpo: {} ({}) is not a process reward model: it judges no steps (RewardModelSpec::steps: None)", spec.dir.display(), rcfg.hf_class()),
+            (false, None) if rcfg.num_labels != Some(1) => bail!("grpo: {} is not a reward model of one label ({:?} labels)", spec.dir.display(), rcfg.num_labels),
+            _ => {}
         }
         if rcfg.vocab_size != mcfg.vocab_size {
             bail!("grpo: the reward model {} has a vocabulary of {}, the policy {}: it scores the policy's tokens, so it must share its tokenizer", spec.dir.display(), rcfg.vocab_size, mcfg.vocab_size)
         }
-        Ok(Self { model, weight: spec.weight, rows: (cfg.batch, cfg.seq_len), dev: dev.clone() })
+        Ok(Self { model, weight: spec.weight, steps: spec.steps.clone(), rows: (cfg.batch, cfg.seq_len), dev: dev.clone() })
     }
 
-    /// `weight ×` the reward model's score of each `prompt ++ completion`. Collective over the
-    /// world.
+    /// `weight ×` the reward model's score of each `prompt ++ completion` (a process reward
+    /// model's: its steps' aggregate). Collective over the world.
     pub(crate) fn rewards(&self, docs: &[(&[u32], &[u32])]) -> Result<Vec<f64>> {
-        let whole: Vec<Vec<u32>> = docs.iter().map(|(p, c)| p.iter().chain(c.iter()).copied().collect()).collect();
         let (batch, seq_len) = self.rows;
-        Ok(score_documents(&self.model, &whole, batch, seq_len, &self.dev)?.into_iter().map(|r| self.weight * r).collect())
+        let scores = match &self.steps {
+            Some((separator, aggregate)) => super::prm::completion_rewards(&self.model, docs, separator, *aggregate, batch, seq_len, &self.dev)?,
+            None => {
+                let whole: Vec<Vec<u32>> = docs.iter().map(|(p, c)| p.iter().chain(c.iter()).copied().collect()).collect();
+                score_documents(&self.model, &whole, batch, seq_len, &self.dev)?
+            }
+        };
+        Ok(scores.into_iter().map(|r| self.weight * r).collect())
     }
 }
 
