@@ -235,3 +235,36 @@ fn completion_rewards_aggregate_the_steps_probabilities() -> Result<()> {
     });
     out.into_iter().collect()
 }
+
+/// Malformed stepwise lines (valid ones cut short or with a character replaced, seeds 0..300)
+/// are read or refused with the line named, never a panic; what is read holds a label per token.
+#[test]
+fn malformed_step_lines_are_errors_not_panics() -> Result<()> {
+    let junk = ['"', '[', ']', '{', '}', ',', ':', '0', '7', 't', 'f', 'n', ' ', '\\', '-'];
+    let (mut read, mut refused) = (0, 0);
+    for seed in 0..300u64 {
+        let mut rng = Rng::new(seed);
+        let mut text: Vec<char> = steps_text(2, seed).chars().collect();
+        match rng.below(3) {
+            0 => text.truncate(rng.below(text.len())),
+            _ => {
+                let i = rng.below(text.len());
+                text[i] = junk[rng.below(junk.len())];
+            }
+        }
+        let text: String = text.into_iter().collect();
+        match StepSet::read(&text, &bytes_of, "\n") {
+            Ok(set) => {
+                read += 1;
+                assert!(set.docs.iter().all(|(t, l)| t.len() == l.len() && l.iter().any(|&x| x != IGNORE)), "seed {seed}");
+            }
+            Err(e) => {
+                refused += 1;
+                let e = e.to_string();
+                assert!(e.contains("step data"), "seed {seed}: {e}");
+            }
+        }
+    }
+    assert!(read > 0 && refused > 0, "{read} read, {refused} refused");
+    Ok(())
+}
