@@ -113,6 +113,11 @@ pub(crate) struct GrpoArgs {
     /// loaded frozen on the run's layout; it scores each prompt ++ completion at its last token.
     #[arg(long, value_name = "DIR")]
     pub(crate) reward_model_dir: Option<std::path::PathBuf>,
+    /// The reward model's own tokenizer.json, when it is not the policy's: each prompt and
+    /// completion decoded (--tokenizer, special tokens skipped; else bytes) and encoded again by
+    /// it, as TRL feeds a reward model of another tokenizer (--step-separator through it too).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) reward_model_tokenizer: Option<std::path::PathBuf>,
     /// How a process reward model's (a `*ForTokenClassification` as --reward-model-dir) step
     /// probabilities make a completion's reward: min, last or prod (its steps end at
     /// --step-separator).
@@ -148,21 +153,33 @@ impl GrpoArgs {
             (true, Some(dir)) => {
                 // (a process reward model judges the completion's steps)
                 let rm = candle_cp_llama::LlamaConfig::from_file(candle_cp_llama::lora::base_model_dir(dir)?.join("config.json"))?;
-                let steps = match rm.token_classifier {
-                    Some(_) => {
-                        let sep = step_separator.replace("\\n", "\n");
-                        let ids = match tokenizer {
-                            Some(p) => tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?.encode(sep, false).map_err(|e| anyhow::anyhow!("tokenizing --step-separator: {e}"))?.get_ids().to_vec(),
-                            None => sep.bytes().map(u32::from).collect(),
-                        };
-                        Some((ids, self.step_aggregate.parse()?))
-                    }
+                // (the reward model's tokenizer: its own, else the policy's, else bytes)
+                let rm_tok = match self.reward_model_tokenizer.as_deref().or(tokenizer) {
+                    Some(p) => Some(std::sync::Arc::new(tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?)),
                     None => None,
                 };
-                Some(candle_cp_llama::train::reward::RewardModelSpec { dir: dir.clone(), weight: model_weight, steps })
+                let encode = |text: &str| -> candle_core::Result<Vec<u32>> {
+                    match &rm_tok {
+                        Some(t) => Ok(t.encode(text, false).map_err(|e| candle_core::Error::Msg(format!("tokenizing for the reward model: {e}")))?.get_ids().to_vec()),
+                        None => Ok(text.bytes().map(u32::from).collect()),
+                    }
+                };
+                let steps = match rm.token_classifier {
+                    Some(_) => Some((encode(&step_separator.replace("\\n", "\n"))?, self.step_aggregate.parse()?)),
+                    None => None,
+                };
+                let retokenize = match (&self.reward_model_tokenizer, rm_tok.clone()) {
+                    (Some(_), Some(t)) => {
+                        let encode: candle_cp_llama::train::reward::Encode = std::sync::Arc::new(move |s: &str| Ok(t.encode(s, false).map_err(|e| candle_core::Error::Msg(format!("tokenizing for the reward model: {e}")))?.get_ids().to_vec()));
+                        Some((decoder(tokenizer, true)?, encode))
+                    }
+                    _ => None,
+                };
+                Some(candle_cp_llama::train::reward::RewardModelSpec { dir: dir.clone(), weight: model_weight, steps, retokenize })
             }
             (true, None) => bail!("--reward model needs --reward-model-dir DIR"),
             (false, Some(_)) => bail!("--reward-model-dir is the reward `model`: name it in --reward"),
+            (false, None) if self.reward_model_tokenizer.is_some() => bail!("--reward-model-tokenizer is the reward model's (--reward model --reward-model-dir DIR)"),
             (false, None) => None,
         };
         let zero: candle_cp_llama::train::grpo::RewardFn = std::sync::Arc::new(|_, _, _| Ok(0.0));
@@ -177,7 +194,7 @@ impl GrpoArgs {
                     "overlong" => rewards::soft_overlong_punishment(self.max_completion_length, self.overlong_cache.unwrap_or(self.max_completion_length / 4).max(1)),
                     "command" => {
                         let Some(cmd) = &self.reward_command else { bail!("--reward command needs --reward-command CMD") };
-                        rewards::command("sh", &["-c".into(), cmd.clone()], decoder(tokenizer)?, std::time::Duration::from_secs(self.reward_timeout))?
+                        rewards::command("sh", &["-c".into(), cmd.clone()], decoder(tokenizer, false)?, std::time::Duration::from_secs(self.reward_timeout))?
                     }
                     // (a function's zero in its place: the model's scores are added by the run)
                     "model" => zero.clone(),
@@ -226,13 +243,14 @@ impl GrpoArgs {
     }
 }
 
-/// Token ids → text for --reward-command: through --tokenizer (special tokens kept), else the
-/// bytes as UTF-8 (lossy; an id past 255 as U+FFFD).
-fn decoder(tokenizer: Option<&std::path::Path>) -> Result<rewards::Decode> {
+/// Token ids → text for --reward-command (special tokens kept) or a reward model's own
+/// tokenizer (`skip_special`, as TRL decodes for it): through --tokenizer, else the bytes as
+/// UTF-8 (lossy; an id past 255 as U+FFFD).
+fn decoder(tokenizer: Option<&std::path::Path>, skip_special: bool) -> Result<rewards::Decode> {
     Ok(match tokenizer {
         Some(p) => {
             let tok = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", p.display()))?;
-            std::sync::Arc::new(move |ids: &[u32]| tok.decode(ids, false).map_err(|e| candle_core::Error::Msg(format!("decoding {} ids: {e}", ids.len()))))
+            std::sync::Arc::new(move |ids: &[u32]| tok.decode(ids, skip_special).map_err(|e| candle_core::Error::Msg(format!("decoding {} ids: {e}", ids.len()))))
         }
         // (an id past the bytes, of a larger random-init vocabulary: U+FFFD)
         None => std::sync::Arc::new(|ids: &[u32]| Ok(String::from_utf8_lossy(&ids.iter().flat_map(|&t| if t < 256 { vec![t as u8] } else { "\u{fffd}".as_bytes().to_vec() }).collect::<Vec<_>>()).into_owned())),

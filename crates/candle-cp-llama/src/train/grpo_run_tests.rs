@@ -546,7 +546,7 @@ fn a_reward_model_rewards_completions() -> Result<()> {
         c.grpo = Some(GrpoConfig { reward: zero.clone(), reward_model: Some(spec), ..grpo_cfg(ImportanceLevel::Token, 1) });
         c
     };
-    let spec = RewardModelSpec { dir: dir.join("rm"), weight: 2.0, steps: None };
+    let spec = RewardModelSpec { dir: dir.join("rm"), weight: 2.0, steps: None, retokenize: None };
     let one = run(&with(Layout::single(), spec.clone()))?;
     let m = &one[0].metrics;
     assert!(m.iter().all(|s| s.grpo_reward.is_some_and(|r| r != 0.0) && s.grpo_zero_std == Some(0.0)), "{m:?}");
@@ -560,18 +560,18 @@ fn a_reward_model_rewards_completions() -> Result<()> {
     // refused: a causal LM; a reward model of another vocabulary
     let lm = LlamaConfig::tiny(128, 32, 1, 2, 1);
     crate::save_hf(dir.join("lm"), &init_params(&lm, 9, DType::F32, &Device::Cpu)?, &lm)?;
-    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("lm"), weight: 1.0, steps: None })).unwrap_err().to_string();
+    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("lm"), weight: 1.0, steps: None, retokenize: None })).unwrap_err().to_string();
     assert!(e.contains("not a reward model"), "{e}");
     let small = LlamaConfig::tiny(64, 32, 1, 2, 1).with_num_labels(Some(1));
     crate::save_hf(dir.join("small"), &init_params(&small, 9, DType::F32, &Device::Cpu)?, &small)?;
-    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("small"), weight: 1.0, steps: None })).unwrap_err().to_string();
+    let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("small"), weight: 1.0, steps: None, retokenize: None })).unwrap_err().to_string();
     assert!(e.contains("must share its tokenizer"), "{e}");
     // a process reward model: each completion's steps (at token 10) judged, the least
     // probability of being right the reward (in [0, weight]); the layouts alike; refused
     // without its separator, and an outcome model with one
     let pcfg = LlamaConfig::tiny(128, 32, 1, 2, 1).with_num_labels(Some(2)).with_token_classifier(Some(crate::prm::TokenClassifier::new(0.1)?));
     crate::save_hf(dir.join("prm"), &init_params(&pcfg, 9, DType::F32, &Device::Cpu)?, &pcfg)?;
-    let prm = RewardModelSpec { dir: dir.join("prm"), weight: 2.0, steps: Some((vec![10], crate::train::prm::StepAggregate::Min)) };
+    let prm = RewardModelSpec { dir: dir.join("prm"), weight: 2.0, steps: Some((vec![10], crate::train::prm::StepAggregate::Min)), retokenize: None };
     let one = run(&with(Layout::single(), prm.clone()))?;
     assert!(one[0].metrics.iter().all(|s| s.grpo_reward.is_some_and(|r| r > 0.0 && r < 2.0)), "{:?}", one[0].metrics);
     let other = run(&with(Layout::cp(CpKind::Zigzag, 2), prm.clone()))?;
@@ -583,6 +583,30 @@ fn a_reward_model_rewards_completions() -> Result<()> {
     assert!(e.contains("give its step separator"), "{e}");
     let e = run(&with(Layout::single(), RewardModelSpec { dir: dir.join("rm"), ..prm })).unwrap_err().to_string();
     assert!(e.contains("is not a process reward model"), "{e}");
+    // a reward model with a tokenizer of its own (ids shifted by one, a vocabulary of 160): the
+    // texts re-tokenised, the same model with its embedding rows shifted scores them as the
+    // first run's model scored the policy's ids — the same rewards, the same run
+    let mut shifted: Vec<(String, Tensor)> = crate::params::varmap_tensors(&init_params(&rcfg, 9, DType::F32, &Device::Cpu)?)?.into_iter().collect();
+    for (n, t) in shifted.iter_mut().filter(|(n, _)| n == "model.embed_tokens.weight") {
+        let h = t.dim(1)?;
+        *t = Tensor::cat(&[Tensor::zeros((1, h), DType::F32, &Device::Cpu)?, t.clone(), Tensor::zeros((31, h), DType::F32, &Device::Cpu)?], 0)?;
+        assert_eq!((n.as_str(), t.dim(0)?), ("model.embed_tokens.weight", 160));
+    }
+    let mut big = rcfg.clone();
+    big.vocab_size = 160;
+    crate::save_hf_tensors(dir.join("rm160"), &shifted, &big)?;
+    let decode: super::super::reward_command::Decode = Arc::new(|ids: &[u32]| Ok(ids.iter().map(|&i| char::from(i as u8)).collect()));
+    let encode: super::super::reward::Encode = Arc::new(|s: &str| Ok(s.bytes().map(|b| b as u32 + 1).collect()));
+    let spec160 = RewardModelSpec { dir: dir.join("rm160"), weight: 2.0, steps: None, retokenize: Some((decode, encode)) };
+    for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2)] {
+        let got = run(&with(layout, spec160.clone()))?;
+        for (a, b) in m.iter().zip(&got[0].metrics) {
+            let (x, y) = (a.grpo_reward.unwrap_or(0.0), b.grpo_reward.unwrap_or(1.0));
+            assert!((x - y).abs() < 1e-5 * x.abs().max(1.0) && (a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: re-tokenised {b:?} vs {a:?}", a.step);
+        }
+    }
+    let e = run(&with(Layout::single(), RewardModelSpec { retokenize: None, ..spec160 })).unwrap_err().to_string();
+    assert!(e.contains("must share its tokenizer"), "{e}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -347,17 +347,34 @@ pub fn best_of_n(policy: &Llama, (rm, judge): (&Llama, Judge), prompts: &[Vec<u3
 /// score of `prompt ++ completion` (at the completion's last token) times `weight` is added to
 /// the reward functions' (TRL's `reward_funcs` naming a sequence classifier); or a process
 /// reward model (a `*ForTokenClassification`) whose completion's steps' probabilities of being
-/// right, aggregated ([`super::prm::completion_rewards`]), are the score.
-#[derive(Debug, Clone, PartialEq)]
+/// right, aggregated ([`super::prm::completion_rewards`]), are the score. A reward model with
+/// a tokenizer of its own reads the texts again ([`RewardModelSpec::retokenize`], as TRL does).
+#[derive(Clone)]
 pub struct RewardModelSpec {
     /// The reward model's directory (a `*ForSequenceClassification` checkpoint of one label, or
     /// a `*ForTokenClassification` with `steps`).
     pub dir: std::path::PathBuf,
     /// Its weight in the reward (TRL's `reward_weights` entry).
     pub weight: f64,
-    /// A process reward model's step separator (token ids) and aggregate; `None` for an
-    /// outcome reward model.
+    /// A process reward model's step separator (token ids, of the reward model's tokenizer)
+    /// and aggregate; `None` for an outcome reward model.
     pub steps: Option<(Vec<u32>, super::prm::StepAggregate)>,
+    /// A reward model with another tokenizer than the policy's: the policy's ids decoded to
+    /// text, and text encoded by the reward model's tokenizer (no special tokens added). The
+    /// reward model then scores `encode(decode(prompt) + decode(completion))` (TRL's texts,
+    /// re-tokenised; a process reward model: the prompt's and the completion's texts encoded
+    /// apart, its steps inside the completion). `None`: the policy's ids as they are (the
+    /// vocabularies must agree).
+    pub retokenize: Option<(super::reward_command::Decode, Encode)>,
+}
+
+/// Text → token ids of a reward model's tokenizer ([`RewardModelSpec::retokenize`]).
+pub type Encode = std::sync::Arc<dyn Fn(&str) -> Result<Vec<u32>> + Send + Sync>;
+
+impl std::fmt::Debug for RewardModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RewardModelSpec").field("dir", &self.dir).field("weight", &self.weight).field("steps", &self.steps).field("retokenize", &self.retokenize.is_some()).finish()
+    }
 }
 
 /// A GRPO run's reward model, loaded frozen on the run's layout (each rank its shards).
@@ -365,7 +382,8 @@ pub(crate) struct RunRewardModel {
     model: Llama,
     weight: f64,
     steps: Option<(Vec<u32>, super::prm::StepAggregate)>,
-    rows: (usize, usize),
+    retokenize: Option<(super::reward_command::Decode, Encode)>,
+    batch: usize,
     dev: Device,
 }
 
@@ -384,24 +402,51 @@ impl RunRewardModel {
             (false, None) if rcfg.num_labels != Some(1) => bail!("grpo: {} is not a reward model of one label ({:?} labels)", spec.dir.display(), rcfg.num_labels),
             _ => {}
         }
-        if rcfg.vocab_size != mcfg.vocab_size {
-            bail!("grpo: the reward model {} has a vocabulary of {}, the policy {}: it scores the policy's tokens, so it must share its tokenizer", spec.dir.display(), rcfg.vocab_size, mcfg.vocab_size)
+        if rcfg.vocab_size != mcfg.vocab_size && spec.retokenize.is_none() {
+            bail!("grpo: the reward model {} has a vocabulary of {}, the policy {}: it scores the policy's tokens, so it must share its tokenizer (or read the texts again: RewardModelSpec::retokenize)", spec.dir.display(), rcfg.vocab_size, mcfg.vocab_size)
         }
-        Ok(Self { model, weight: spec.weight, steps: spec.steps.clone(), rows: (cfg.batch, cfg.seq_len), dev: dev.clone() })
+        Ok(Self { model, weight: spec.weight, steps: spec.steps.clone(), retokenize: spec.retokenize.clone(), batch: cfg.batch, dev: dev.clone() })
     }
 
     /// `weight ×` the reward model's score of each `prompt ++ completion` (a process reward
-    /// model's: its steps' aggregate). Collective over the world.
+    /// model's: its steps' aggregate), in rows as long as the longest document needs; 0 for a
+    /// completion that re-tokenises to nothing. Collective over the world.
     pub(crate) fn rewards(&self, docs: &[(&[u32], &[u32])]) -> Result<Vec<f64>> {
-        let (batch, seq_len) = self.rows;
+        // (the reward model's own ids: the texts encoded again — a process reward model's
+        // prompt and completion apart, an outcome model's whole text as TRL does)
+        let mut parts: Vec<(Vec<u32>, Vec<u32>)> = Vec::with_capacity(docs.len());
+        for (p, c) in docs {
+            parts.push(match &self.retokenize {
+                None => (p.to_vec(), c.to_vec()),
+                Some((decode, encode)) if self.steps.is_some() => (encode(&decode(p)?)?, encode(&decode(c)?)?),
+                Some((decode, encode)) => (Vec::new(), encode(&format!("{}{}", decode(p)?, decode(c)?))?),
+            });
+        }
+        // (a completion whose text re-tokenises to nothing — its stop token alone, say — has no
+        // step to judge nor text to score: reward 0)
+        let empty: Vec<bool> = parts.iter().map(|(p, c)| c.is_empty() && (self.steps.is_some() || p.is_empty())).collect();
+        let parts: Vec<(Vec<u32>, Vec<u32>)> = parts.into_iter().zip(&empty).filter(|(_, &e)| !e).map(|(d, _)| d).collect();
+        if parts.is_empty() {
+            return Ok(vec![0.0; docs.len()]);
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(t) = parts.iter().flat_map(|(p, c)| p.iter().chain(c)).find(|&&t| t as usize >= vocab) {
+            bail!("grpo: the reward model's ids hold {t}, its vocabulary is {vocab}")
+        }
+        let m = self.model.forward_multiple();
+        let seq_len = parts.iter().map(|(p, c)| p.len() + c.len()).max().unwrap_or(1).max(1).div_ceil(m) * m;
         let scores = match &self.steps {
-            Some((separator, aggregate)) => super::prm::completion_rewards(&self.model, docs, separator, *aggregate, batch, seq_len, &self.dev)?,
+            Some((separator, aggregate)) => {
+                let pairs: Vec<(&[u32], &[u32])> = parts.iter().map(|(p, c)| (p.as_slice(), c.as_slice())).collect();
+                super::prm::completion_rewards(&self.model, &pairs, separator, *aggregate, self.batch, seq_len, &self.dev)?
+            }
             None => {
-                let whole: Vec<Vec<u32>> = docs.iter().map(|(p, c)| p.iter().chain(c.iter()).copied().collect()).collect();
-                score_documents(&self.model, &whole, batch, seq_len, &self.dev)?
+                let whole: Vec<Vec<u32>> = parts.into_iter().map(|(p, c)| p.into_iter().chain(c).collect()).collect();
+                score_documents(&self.model, &whole, self.batch, seq_len, &self.dev)?
             }
         };
-        Ok(scores.into_iter().map(|r| self.weight * r).collect())
+        let mut scores = scores.into_iter();
+        empty.iter().map(|&e| Ok(if e { 0.0 } else { self.weight * scores.next().ok_or_else(|| candle_core::Error::Msg("grpo: internal error (a reward model's score missing)".into()))? })).collect()
     }
 }
 
