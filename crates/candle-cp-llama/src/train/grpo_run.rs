@@ -507,3 +507,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
 #[cfg(test)]
 #[path = "grpo_run_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "grpo_reward_model_tests.rs"]
+mod reward_model_tests;

@@ -394,6 +394,17 @@ impl RunRewardModel {
         if !spec.weight.is_finite() {
             bail!("grpo: the reward model's weight must be finite, got {}", spec.weight)
         }
+        // (a dense reward model beside a mixture of experts under expert parallelism: read on
+        // the run's layout without EP, whose groups it does not use)
+        let dense = crate::LlamaConfig::from_file(crate::lora::base_model_dir(&spec.dir)?.join("config.json"))?.moe.is_none();
+        let own;
+        let ctx = match ctx.layout.ep > 1 && dense {
+            true => {
+                own = ParallelCtx::new(ctx.world.clone(), ctx.layout.with_ep(1))?;
+                &own
+            }
+            false => ctx,
+        };
         let model = crate::reward::load_reward_model(&spec.dir, ctx, dev, cfg.dtype).map_err(|e| candle_core::Error::Msg(format!("grpo: the reward model: {e}")))?;
         let rcfg = model.config();
         match (rcfg.token_classifier.is_some(), &spec.steps) {
