@@ -64,8 +64,8 @@ pub(crate) fn check_run(cfg: &TrainConfig, mcfg: &LlamaConfig) -> Result<()> {
         return super::reward::check_run(cfg, mcfg);
     };
     p.classifier()?;
-    if cfg.reward.is_some() || cfg.dpo.is_some() || cfg.grpo.is_some() || cfg.quantize_base.is_some() {
-        bail!("train: a process reward model trains by its own loss: not with reward, dpo, grpo or quantize_base")
+    if cfg.reward.is_some() || cfg.dpo.is_some() || cfg.grpo.is_some() {
+        bail!("train: a process reward model trains by its own loss: not with reward, dpo or grpo")
     }
     let DataSource::Steps(set) = &cfg.data else { bail!("train: a process reward model trains on stepwise examples (DataSource::Steps)") };
     if let Some(e) = &cfg.eval {

@@ -472,8 +472,8 @@ pub(crate) fn check_run(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig) -> 
         return Ok(());
     };
     r.validate()?;
-    if cfg.dpo.is_some() || cfg.grpo.is_some() || cfg.quantize_base.is_some() {
-        bail!("train: reward modelling trains by its own loss: not with dpo, grpo or quantize_base")
+    if cfg.dpo.is_some() || cfg.grpo.is_some() {
+        bail!("train: reward modelling trains by its own loss: not with dpo or grpo")
     }
     match &cfg.data {
         super::DataSource::Preference(s) if s.desirable().is_none() => {}
