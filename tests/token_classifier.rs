@@ -108,7 +108,7 @@ fn causal_lm_loads_as_a_token_classifier() -> Result<()> {
     for r in run_ranks(1, |g| -> Result<()> {
         let ctx = ParallelCtx::new(g, Layout::single())?;
         let (_, cfg) = load_hf_sharded_token_classifier(&oracle, 2, None, 5, &ctx, &Device::Cpu, DType::F32)?;
-        assert_eq!(cfg.token_classifier, Some(TokenClassifier { dropout: 0.1 }));
+        assert_eq!(cfg.token_classifier, Some(TokenClassifier { dropout: 0.1, bias: true }));
         // a sequence classifier and a token classifier refuse each other's loader
         let (vm, seq) = load_hf_sharded_reward(&oracle, 1, 5, &ctx, &Device::Cpu, DType::F32)?;
         let dir = tmpdir("seq");

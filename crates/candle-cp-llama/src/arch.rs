@@ -419,7 +419,12 @@ pub(crate) fn num_labels(m: &Map<String, Value>) -> Result<(Option<usize>, Optio
         Some((k, v)) => v.as_f64().ok_or_else(|| candle_core::Error::Msg(format!("config.json: `{k}` must be a number, got {v}")))?,
         None => crate::prm::TokenClassifier::HF_DROPOUT,
     };
-    Ok((Some(n), Some(crate::prm::TokenClassifier::new(p)?)))
+    let bias = match m.get("token_classification_bias") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => bail!("config.json: `token_classification_bias` must be a bool, got {other}"),
+    };
+    Ok((Some(n), Some(crate::prm::TokenClassifier::new(p)?.with_bias(bias))))
 }
 
 #[cfg(test)]
@@ -465,6 +470,11 @@ mod tests {
             assert_eq!(c.hf_class(), arch.hf_names().0.replace("ForCausalLM", "ForTokenClassification"));
         }
         assert_eq!(parse(r#", "architectures": ["LlamaForSequenceClassification"]"#)?.token_classifier, None);
+        // (transformers' token_classification_bias: a head without its bias)
+        let c = parse(r#", "architectures": ["LlamaForTokenClassification"], "token_classification_bias": false"#)?;
+        assert_eq!(c.token_classifier, Some(crate::prm::TokenClassifier { dropout: 0.1, bias: false }));
+        assert!(!crate::param_specs(&c).iter().any(|s| s.name == crate::prm::SCORE_BIAS));
+        assert!(c.to_hf_json("float32").contains("\"token_classification_bias\": false"));
         assert!(err(r#", "architectures": ["LlamaForTokenClassification", "LlamaForSequenceClassification"]"#).contains("a classifier and another class"));
         assert!(err(r#", "architectures": ["LlamaForTokenClassification"], "classifier_dropout": 1.0"#).contains("dropout"));
         assert!(err(r#", "architectures": ["LlamaForTokenClassification"], "classifier_dropout": "x""#).contains("`classifier_dropout` must be a number"));

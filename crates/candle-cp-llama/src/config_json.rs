@@ -108,6 +108,9 @@ impl LlamaConfig {
             // (a token classifier's dropout on the head's input)
             if let Some(t) = &self.token_classifier {
                 m.insert("classifier_dropout".into(), json!(t.dropout));
+                if !t.bias {
+                    m.insert("token_classification_bias".into(), json!(false));
+                }
             }
             if self.rope_scaling != RopeScaling::Default {
                 m.insert("rope_scaling".into(), Value::Object(rope));

@@ -337,6 +337,12 @@ pub const MAGNITUDE: &str = ".lora_magnitude_vector";
 /// Write the adapters `tensors` (full tensors by parameter name) as a PEFT adapter into
 /// `dir`: `adapter_model.safetensors` and `adapter_config.json` (`base` as its base model).
 pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, Tensor>, base: &str) -> Result<()> {
+    save_peft_adapter_as(dir, spec, tensors, base, None)
+}
+
+/// [`save_peft_adapter`] with PEFT's `task_type` given (`None`: from the tensors — a token
+/// classifier's head bias saved makes it `TOKEN_CLS`, a score head `SEQ_CLS`).
+pub(crate) fn save_peft_adapter_as(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, Tensor>, base: &str, task: Option<&str>) -> Result<()> {
     // (with the modules trained whole, under their own names, as PEFT saves modules_to_save)
     let adapters: HashMap<String, Tensor> = tensors.iter().filter(|(n, _)| spec.trains(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
     // (a Phi-3's parts' B and magnitudes as its fused modules', PEFT's: crate::config::phi3)
@@ -373,8 +379,10 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
     let mut json = spec.peft_config_json(base);
     // (a token classifier's adapters, its head's bias among the modules trained whole: PEFT's
     // token-classification task)
-    if adapters.contains_key(crate::prm::SCORE_BIAS) {
-        json["task_type"] = serde_json::json!("TOKEN_CLS");
+    match task {
+        Some(t) => json["task_type"] = serde_json::json!(t),
+        None if adapters.contains_key(crate::prm::SCORE_BIAS) => json["task_type"] = serde_json::json!("TOKEN_CLS"),
+        None => {}
     }
     // Mixtral's experts are w1, w3, w2 to PEFT
     if spec.target_regex.is_none() && !spec.targets.is_empty() {

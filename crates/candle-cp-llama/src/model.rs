@@ -154,7 +154,7 @@ impl Llama {
         // (a reward model has no LM head: its score head instead, and `lm_head` is never read —
         // Llama::lm_head refuses)
         let score = cfg.num_labels.map(|_| lb.get(crate::reward::SCORE)).transpose()?;
-        let score_bias = cfg.token_classifier.map(|_| lb.get(crate::prm::SCORE_BIAS)).transpose()?;
+        let score_bias = cfg.token_classifier.filter(|t| t.bias).map(|_| lb.get(crate::prm::SCORE_BIAS)).transpose()?;
         let lm_head = if cfg.tie_word_embeddings || score.is_some() {
             embed.clone()
         } else {

@@ -326,7 +326,7 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         Some(n) => {
             add(crate::reward::SCORE.into(), vec![n, h], norm);
             // (a token classifier's head has a bias: crate::prm)
-            if cfg.token_classifier.is_some() {
+            if cfg.token_classifier.is_some_and(|t| t.bias) {
                 add(crate::prm::SCORE_BIAS.into(), vec![n], norm);
             }
         }

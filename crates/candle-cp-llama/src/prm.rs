@@ -36,18 +36,27 @@ pub struct TokenClassifier {
     /// Dropout probability on the head's input while training, in `[0, 1)` (transformers'
     /// `classifier_dropout`, else `hidden_dropout`, else [`TokenClassifier::HF_DROPOUT`]).
     pub dropout: f64,
+    /// Whether the head has its bias `score.bias` (transformers' `token_classification_bias`,
+    /// true unless a config says false).
+    pub bias: bool,
 }
 
 impl TokenClassifier {
     /// transformers' dropout of a token classifier whose config names none.
     pub const HF_DROPOUT: f64 = 0.1;
 
-    /// A token classifier with dropout `p`; errors unless `p` is in `[0, 1)`.
+    /// A token classifier with dropout `p` and a biased head; errors unless `p` is in `[0, 1)`.
     pub fn new(p: f64) -> Result<Self> {
         if !(0.0..1.0).contains(&p) {
             bail!("token classifier: dropout {p} must be in [0, 1)")
         }
-        Ok(Self { dropout: p })
+        Ok(Self { dropout: p, bias: true })
+    }
+
+    /// The same classifier with a head with or without its bias.
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
     }
 }
 
@@ -94,7 +103,7 @@ pub fn load_hf_sharded_token_classifier(dir: impl AsRef<Path>, num_labels: usize
         (Some(_), Some(t)) => (cfg.with_token_classifier(Some(classifier.unwrap_or(t))), None),
         (Some(n), None) => bail!("{}: a sequence classifier ({}, {n} label(s)), not a token classifier", dir.display(), cfg.hf_class()),
         (None, _) => {
-            let t = classifier.unwrap_or(TokenClassifier { dropout: TokenClassifier::HF_DROPOUT });
+            let t = classifier.unwrap_or(TokenClassifier { dropout: TokenClassifier::HF_DROPOUT, bias: true });
             (cfg.with_num_labels(Some(num_labels)).with_token_classifier(Some(t)), Some(seed))
         }
     };
@@ -127,7 +136,6 @@ impl Llama {
         let (Some(w), Some(t)) = (&self.score, self.cfg.token_classifier) else {
             bail!("Llama::token_scores_packed: {} is not a token classifier (load a *ForTokenClassification checkpoint, or a causal LM with LlamaConfig::with_token_classifier)", self.cfg.hf_class())
         };
-        let Some(bias) = &self.score_bias else { bail!("Llama::token_scores_packed: the token classifier has no {SCORE_BIAS}") };
         let h = self.hidden_with(input_ids, positions, Some(docs))?;
         let h = match dropout.filter(|_| t.dropout > 0.0) {
             Some(d) => {
@@ -141,7 +149,11 @@ impl Llama {
             }
             None => h,
         };
-        crate::model::linear(&h, w)?.broadcast_add(bias)?.to_dtype(DType::F32)
+        let s = crate::model::linear(&h, w)?;
+        match &self.score_bias {
+            Some(b) => s.broadcast_add(b)?.to_dtype(DType::F32),
+            None => s.to_dtype(DType::F32),
+        }
     }
 }
 

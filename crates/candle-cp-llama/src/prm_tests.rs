@@ -15,7 +15,7 @@ fn token_classifier_configs_are_checked() {
     assert!(c.clone().with_num_labels(Some(2)).with_token_classifier(t).validate().is_ok());
     assert!(c.clone().with_token_classifier(t).validate().unwrap_err().to_string().contains("needs its labels"));
     assert!(TokenClassifier::new(1.0).unwrap_err().to_string().contains("[0, 1)"));
-    let bad = c.clone().with_num_labels(Some(2)).with_token_classifier(Some(TokenClassifier { dropout: -0.5 }));
+    let bad = c.clone().with_num_labels(Some(2)).with_token_classifier(Some(TokenClassifier { dropout: -0.5, bias: true }));
     assert!(bad.validate().unwrap_err().to_string().contains("dropout -0.5"));
     // (LoRA trains the head whole: weight and bias)
     let lora = crate::LoraSpec::new(4, 8.0, &["q_proj"]).expect("spec");
@@ -86,6 +86,12 @@ fn token_scores_agree_on_every_layout_with_and_without_dropout() -> Result<()> {
     // (no dropout in the config: none drawn)
     let none = cfg.clone().with_token_classifier(Some(TokenClassifier::new(0.0)?));
     assert_eq!(scores_on(Layout::single(), &none, Some(drop))?, plain);
+    // (a head without its bias, transformers' token_classification_bias false: scores alike)
+    let unbiased = cfg.clone().with_token_classifier(cfg.token_classifier.map(|t| t.with_bias(false)));
+    let u = scores_on(Layout::single(), &unbiased, Some(drop))?;
+    assert_eq!(u, dropped, "a zero bias or none: the same scores");
+    let z = scores_on(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), &unbiased, Some(drop))?;
+    assert!(z.iter().flatten().zip(u.iter().flatten()).all(|(x, y)| (x - y).abs() < 1e-5), "a head without its bias on zigzag CP 2 x TP 2 + SP");
     for layout in [Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::cp(CpKind::Ulysses, 2).with_tp(2, false)] {
         for (want, d) in [(&plain, None), (&dropped, Some(drop))] {
             let got = scores_on(layout, &cfg, d)?;

@@ -124,7 +124,8 @@ fn score_head(v: &serde_json::Value, name: &str) -> Result<Option<crate::model::
     let bias = match (classes.iter().any(|c| c.ends_with("ForSequenceClassification")), classes.iter().any(|c| c.ends_with("ForTokenClassification"))) {
         (false, false) => return Ok(None),
         (true, true) => plan_bail!("model config {name}: `architectures` {classes:?} names a sequence and a token classifier"),
-        (seq, _) => !seq,
+        // (a token classifier's head has a bias unless token_classification_bias says false)
+        (seq, _) => !seq && v.get("token_classification_bias").and_then(|b| b.as_bool()).unwrap_or(true),
     };
     let labels = match (v.get("id2label"), v.get("num_labels")) {
         (Some(serde_json::Value::Object(o)), _) => o.len(),

@@ -413,6 +413,8 @@ fn classifiers_plan_their_score_heads() -> Result<()> {
     // (id2label counts the labels)
     let three = ModelConfig::from_hf_json(&format!(r#"{{{base}, "architectures": ["LlamaForTokenClassification"], "id2label": {{"0": "a", "1": "b", "2": "c"}}}}"#), "prm3")?;
     assert_eq!(three.score_head.map(|s| s.labels), Some(3));
+    let unbiased = ModelConfig::from_hf_json(&format!(r#"{{{base}, "architectures": ["LlamaForTokenClassification"], "token_classification_bias": false}}"#), "prm0")?;
+    assert_eq!(unbiased.score_head, Some(ScoreHead { labels: 2, bias: false }));
     let e = ModelConfig::from_hf_json(&format!(r#"{{{base}, "architectures": ["LlamaForSequenceClassification"], "num_labels": 0}}"#), "none").unwrap_err();
     assert!(format!("{e:?}").contains("no label"), "{e:?}");
     // the head's memory: f32 scores of its labels per token, not the vocabulary's logits

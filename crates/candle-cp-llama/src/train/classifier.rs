@@ -43,7 +43,7 @@ pub(crate) fn init_config(cfg: &TrainConfig, c: &LlamaConfig) -> Result<LlamaCon
     Ok(match (&cfg.reward, &cfg.prm, c.num_labels) {
         (Some(_), _, None) => c.clone().with_num_labels(Some(1)),
         (_, Some(p), None) => {
-            let t = p.classifier()?.unwrap_or(crate::prm::TokenClassifier { dropout: crate::prm::TokenClassifier::HF_DROPOUT });
+            let t = p.classifier()?.unwrap_or(crate::prm::TokenClassifier { dropout: crate::prm::TokenClassifier::HF_DROPOUT, bias: true });
             c.clone().with_num_labels(Some(p.num_labels)).with_token_classifier(Some(t))
         }
         _ => c.clone(),

@@ -16,7 +16,7 @@
 //!                              optimizer-tp*.safetensors, train_state.json   (their state)
 //! ```
 
-use crate::lora::{insert_adapter_shards, save_peft_adapter};
+use crate::lora::insert_adapter_shards;
 use crate::params::{init_tensor, lock_vars, param_specs};
 use crate::{LlamaConfig, ParallelCtx};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -137,7 +137,9 @@ pub(crate) fn save_adapters(dir: &Path, varmap: &VarMap, cfg: &LlamaConfig, ctx:
         full.insert(s.name.clone(), s.gather(t, ctx)?.to_dtype(DType::F32)?);
     }
     if write {
-        save_peft_adapter(dir, spec, &full, base)?;
+        // (a token classifier's adapters, its head with or without a bias: PEFT's TOKEN_CLS)
+        let task = cfg.token_classifier.map(|_| "TOKEN_CLS");
+        crate::lora::save_peft_adapter_as(dir, spec, &full, base, task)?;
     }
     Ok(())
 }
