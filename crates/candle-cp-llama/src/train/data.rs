@@ -11,6 +11,16 @@ use super::rng::Rng;
 use candle_core::{bail, Result};
 use candle_cp_ops::packing::Documents;
 
+/// The items kept to train on and those held out of `n` (`what`: their name in the error): the
+/// last `fraction` of them, one at least, one left to train on.
+fn split_counts(n: usize, fraction: f64, what: &str) -> Result<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+    let held = ((n as f64 * fraction).round() as usize).max(1);
+    if held >= n {
+        bail!("held-out split: {n} {what}, {held} held out leave none to train on")
+    }
+    Ok((0..n - held, n - held..n))
+}
+
 /// One training sequence of global length `T`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
@@ -324,37 +334,20 @@ impl DataSource {
                 Ok((part(0..cut), part(cut..n)))
             }
             DataSource::Packed(s) => {
-                let n = s.count();
-                let held = ((n as f64 * fraction).round() as usize).max(1);
-                if held >= n {
-                    bail!("held-out split: {n} documents, {held} held out leave none to train on")
-                }
-                let docs = |r: std::ops::Range<usize>| -> Result<DataSource> { Ok(DataSource::Packed(s.subset(r)?)) };
-                Ok((docs(0..n - held)?, docs(n - held..n)?))
+                let (train, held) = split_counts(s.count(), fraction, "documents")?;
+                Ok((DataSource::Packed(s.subset(train)?), DataSource::Packed(s.subset(held)?)))
             }
             DataSource::Preference(s) => {
-                let n = s.len();
-                let held = ((n as f64 * fraction).round() as usize).max(1);
-                if held >= n {
-                    bail!("held-out split: {n} preference pairs, {held} held out leave none to train on")
-                }
-                Ok((DataSource::Preference(s.subset(0..n - held)?), DataSource::Preference(s.subset(n - held..n)?)))
+                let (train, held) = split_counts(s.len(), fraction, "preference pairs")?;
+                Ok((DataSource::Preference(s.subset(train)?), DataSource::Preference(s.subset(held)?)))
             }
             DataSource::Steps(s) => {
-                let n = s.len();
-                let held = ((n as f64 * fraction).round() as usize).max(1);
-                if held >= n {
-                    bail!("held-out split: {n} stepwise examples, {held} held out leave none to train on")
-                }
-                Ok((DataSource::Steps(s.subset(0..n - held)?), DataSource::Steps(s.subset(n - held..n)?)))
+                let (train, held) = split_counts(s.len(), fraction, "stepwise examples")?;
+                Ok((DataSource::Steps(s.subset(train)?), DataSource::Steps(s.subset(held)?)))
             }
             DataSource::Prompts(s) => {
-                let n = s.len();
-                let held = ((n as f64 * fraction).round() as usize).max(1);
-                if held >= n {
-                    bail!("held-out split: {n} prompts, {held} held out leave none to train on")
-                }
-                Ok((DataSource::Prompts(s.subset(0..n - held)?), DataSource::Prompts(s.subset(n - held..n)?)))
+                let (train, held) = split_counts(s.len(), fraction, "prompts")?;
+                Ok((DataSource::Prompts(s.subset(train)?), DataSource::Prompts(s.subset(held)?)))
             }
         }
     }

@@ -125,6 +125,18 @@ pub(crate) fn straight_and_resumed(c: &TrainConfig, tag: &str, every: usize, sto
     Ok((a, b))
 }
 
+/// [`straight_and_resumed`] of `c` (checkpoints every `every` steps, killed after step `stop`):
+/// the resumed run starts at the last checkpoint and its steps' objectives equal the straight
+/// run's, bit for bit.
+pub(crate) fn resumed_is_straight(c: &TrainConfig, tag: &str, every: usize, stop: usize) -> Result<()> {
+    let (a, b) = straight_and_resumed(c, tag, every, stop)?;
+    let start = stop / every * every;
+    assert_eq!(b[0].start_step, start, "{tag}");
+    let tail: Vec<(usize, f64)> = a[0].metrics[start..].iter().map(|m| (m.step, m.train_loss)).collect();
+    assert_eq!(tail, b[0].metrics.iter().map(|m| (m.step, m.train_loss)).collect::<Vec<_>>(), "{tag}: straight vs resumed");
+    Ok(())
+}
+
 /// The GRPO tests' run: the tiny model on `data`, rows of 48, `steps` steps of `batch` rows ×
 /// `grad_accum`, seed 3.
 pub(crate) fn tiny_run(layout: Layout, data: DataSource, steps: usize, (batch, grad_accum): (usize, usize)) -> TrainConfig {

@@ -64,11 +64,7 @@ fn reward_model_learns_and_matches_on_every_layout() -> Result<()> {
 /// classifier's) reproduces the uninterrupted run, on zigzag CP 2.
 #[test]
 fn resumed_reward_run_is_the_straight_run() -> Result<()> {
-    let (a, b) = crate::train::grpo::tests::straight_and_resumed(&reward_cfg(None, crate::Layout::cp(crate::CpKind::Zigzag, 2), 6)?, "reward", 3, 4)?;
-    assert_eq!(b[0].start_step, 3);
-    let tail: Vec<(usize, f64)> = a[0].metrics[3..].iter().map(|m| (m.step, m.train_loss)).collect();
-    assert_eq!(tail, b[0].metrics.iter().map(|m| (m.step, m.train_loss)).collect::<Vec<_>>());
-    Ok(())
+    crate::train::grpo::tests::resumed_is_straight(&reward_cfg(None, crate::Layout::cp(crate::CpKind::Zigzag, 2), 6)?, "reward", 3, 4)
 }
 
 /// A LoRA reward model (PEFT's SEQ_CLS task: adapters on q and v, the new score head trained
