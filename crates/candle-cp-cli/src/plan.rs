@@ -58,7 +58,7 @@ pub struct CommonArgs {
     #[arg(long)]
     pub dora: bool,
     /// With --lora: modules trained whole beside the adapters (finetune_llama
-    /// --lora-modules-to-save): embed_tokens, lm_head.
+    /// --lora-modules-to-save): embed_tokens, lm_head, or a reward model's score (its head).
     #[arg(long, value_name = "M,..")]
     pub lora_modules_to_save: Option<String>,
     /// With --lora: the frozen base quantized (finetune_llama --quantize-base): int8 or nf4,
@@ -171,11 +171,13 @@ pub struct PlanArgs {
 /// Builds the planner input from the shared flags and `layout`; errors name the bad value.
 pub fn input_from_common(a: &CommonArgs, mut layout: Layout) -> anyhow::Result<PlanInput> {
     (layout.lora_rank, layout.lora_mlp, layout.lora_dora) = (a.lora, a.lora_mlp, a.dora);
-    for m in a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect::<Vec<_>>()).unwrap_or_default() {
-        match m {
+    let saved: Vec<&str> = a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect()).unwrap_or_default();
+    for m in &saved {
+        match *m {
             "embed_tokens" => layout.lora_save_embed = true,
-            "lm_head" => layout.lora_save_head = true,
-            other => anyhow::bail!("--lora-modules-to-save {other}: embed_tokens or lm_head"),
+            // (a reward model's head is its score head)
+            "lm_head" | "score" => layout.lora_save_head = true,
+            other => anyhow::bail!("--lora-modules-to-save {other}: embed_tokens, lm_head or score"),
         }
     }
     if (layout.lora_save_embed || layout.lora_save_head) && a.lora == 0 {
@@ -192,6 +194,12 @@ pub fn input_from_common(a: &CommonArgs, mut layout: Layout) -> anyhow::Result<P
         anyhow::bail!("--lora-mlp adapts the MLP projections too: give the adapters' rank with --lora R")
     }
     let mut model = ModelConfig::from_name_or_path(&a.model)?;
+    // (score is a reward model's head, lm_head a causal LM's)
+    match (model.score_head.is_some(), saved.iter().find(|m| matches!(**m, "lm_head" | "score"))) {
+        (true, Some(&"lm_head")) => anyhow::bail!("--lora-modules-to-save lm_head: {} is a reward model, its head is score", a.model),
+        (false, Some(&"score")) => anyhow::bail!("--lora-modules-to-save score: {} is a causal LM, its head is lm_head", a.model),
+        _ => {}
+    }
     if let Some(w) = a.sliding_window {
         if w == 0 {
             anyhow::bail!("--sliding-window must be at least 1 token, got 0")

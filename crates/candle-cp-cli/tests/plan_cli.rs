@@ -572,3 +572,32 @@ fn plan_qwen_presets_and_config() {
     assert_eq!((model(&q3, "qk_norm"), model(&q3, "head_dim"), model(&q3, "hidden")), (true.into(), 128.into(), 5120.into()));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A reward model's config plans its score head: `--lora-modules-to-save score` trains it whole
+/// (its `n·h` parameters, not a vocabulary's rows), `lm_head` is refused for it and `score` for a
+/// causal LM.
+#[test]
+fn plan_reward_model_score_head() {
+    let dir = std::env::temp_dir().join(format!("candle-cp-plan-rm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(
+        &path,
+        r#"{"architectures":["LlamaForSequenceClassification"],"hidden_size":4096,"num_hidden_layers":32,
+           "num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,"vocab_size":128256,"num_labels":1}"#,
+    )
+    .unwrap();
+    let rm = path.to_str().unwrap();
+    let v = plan_json(&["--model", rm, "--seq", "8192", "--lora", "8", "--lora-modules-to-save", "score"]);
+    assert_eq!(v.pointer("/input/model/score_head/labels").and_then(|x| x.as_u64()), Some(1), "{v}");
+    let lm = plan_json(&["--model", "llama3-8b", "--seq", "8192", "--lora", "8", "--lora-modules-to-save", "lm_head"]);
+    let params = |v: &serde_json::Value| v.pointer("/model_states/params").and_then(|x| x.as_f64()).unwrap_or(f64::NAN);
+    // (the reward model: the LM head's 128256·4096 gone, a score head of 4096 in its place)
+    assert_eq!(params(&lm) - params(&v), (128256.0 - 1.0) * 4096.0, "{} vs {}", params(&lm), params(&v));
+    for (model, module, msg) in [(rm, "lm_head", "is a reward model, its head is score"), ("llama3-8b", "score", "is a causal LM, its head is lm_head")] {
+        let out = candle_cp(&["plan", "--model", model, "--seq", "8192", "--lora", "8", "--lora-modules-to-save", module]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.code() == Some(2) && stderr.contains(msg), "{module}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

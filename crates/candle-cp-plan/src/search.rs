@@ -382,7 +382,9 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
         if l.lora_dora {
             f.push_str(" --dora");
         }
-        let saved: Vec<&str> = [(l.lora_save_embed, "embed_tokens"), (l.lora_save_head, "lm_head")].iter().filter(|(on, _)| *on).map(|(_, m)| *m).collect();
+        // (a reward model's head is its score head)
+        let head = if base.model.score_head.is_some() { "score" } else { "lm_head" };
+        let saved: Vec<&str> = [(l.lora_save_embed, "embed_tokens"), (l.lora_save_head, head)].iter().filter(|(on, _)| *on).map(|(_, m)| *m).collect();
         if !saved.is_empty() {
             let _ = write!(f, " --lora-modules-to-save {}", saved.join(","));
         }
