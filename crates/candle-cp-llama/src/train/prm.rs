@@ -271,28 +271,39 @@ pub(crate) fn rows_loss(rows: &[StepRow], scores: &Tensor, ctx: &ParallelCtx, gr
     Ok((node, PrmTerms { loss: sums[0] / total, accuracy: sums[1] / total, count: sums[2] }))
 }
 
+/// Every example of `set` in order, packed into rows of `seq_len`, `batch` rows per forward
+/// (the last filled with padding rows), forward on `model`'s layout without dropout: `each`
+/// gets each forward's rows and this rank's logits `[B_local, Ts, n]` (detached). Collective
+/// over the world.
+fn for_each_forward(model: &Llama, set: &StepSet, (batch, seq_len): (usize, usize), dev: &Device, mut each: impl FnMut(&[StepRow], &Tensor) -> Result<()>) -> Result<()> {
+    let mut rows = set.in_order(seq_len)?;
+    while !rows.len().is_multiple_of(batch) {
+        let s = Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(Documents::single(seq_len)?) };
+        rows.push((s, vec![IGNORE; seq_len]));
+    }
+    for chunk in rows.chunks(batch) {
+        let ids: Vec<u32> = chunk.iter().flat_map(|r| r.0.tokens.iter().copied()).collect();
+        let docs: Vec<Documents> = chunk.iter().map(|r| r.0.documents.clone().ok_or_else(|| candle_core::Error::Msg("prm: a row without documents".into()))).collect::<Result<_>>()?;
+        let sb = shard_batch_packed(&Tensor::from_vec(ids, (chunk.len(), seq_len), &Device::Cpu)?, &docs, model.ctx())?;
+        let scores = model.token_scores_packed(&sb.input_ids.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents, None)?.detach();
+        each(chunk, &scores)?;
+    }
+    Ok(())
+}
+
 /// The loss and accuracy over every example of `set` under `model` (a held-out evaluation:
 /// no dropout), `batch` rows of `seq_len` per forward (the last filled with padding rows), on
 /// the run's layout; the same on every rank. Collective over the world.
 pub fn evaluate_steps(model: &Llama, set: &StepSet, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<PrmTerms> {
     model.set_lora_dropout(None)?;
-    let mut rows = set.in_order(seq_len)?;
-    let batch = batch.max(1);
-    while !rows.len().is_multiple_of(batch) {
-        let s = Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(Documents::single(seq_len)?) };
-        rows.push((s, vec![IGNORE; seq_len]));
-    }
     let (mut sum, mut right, mut count) = (0.0, 0.0, 0.0);
-    for chunk in rows.chunks(batch) {
-        let ids: Vec<u32> = chunk.iter().flat_map(|r| r.0.tokens.iter().copied()).collect();
-        let docs: Vec<Documents> = chunk.iter().map(|r| r.0.documents.clone().ok_or_else(|| candle_core::Error::Msg("prm: a row without documents".into()))).collect::<Result<_>>()?;
-        let sb = shard_batch_packed(&Tensor::from_vec(ids, (chunk.len(), seq_len), &Device::Cpu)?, &docs, ctx)?;
-        let scores = model.token_scores_packed(&sb.input_ids.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents, None)?.detach();
-        let (_, t) = rows_loss(chunk, &scores, ctx, ctx.token_group())?;
+    for_each_forward(model, set, (batch.max(1), seq_len), dev, |chunk, scores| {
+        let (_, t) = rows_loss(chunk, scores, ctx, ctx.token_group())?;
         sum += t.loss * t.count;
         right += t.accuracy * t.count;
         count += t.count;
-    }
+        Ok(())
+    })?;
     Ok(PrmTerms { loss: sum / count.max(1.0), accuracy: right / count.max(1.0), count })
 }
 
@@ -309,21 +320,12 @@ pub fn step_probabilities(model: &Llama, set: &StepSet, batch: usize, seq_len: u
         bail!("step_probabilities: {batch} rows per forward over dp = {}", ctx.layout.dp)
     }
     let n = model.config().num_labels.unwrap_or(0);
-    let mut rows = set.in_order(seq_len)?;
-    while !rows.len().is_multiple_of(batch) {
-        let s = Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(Documents::single(seq_len)?) };
-        rows.push((s, vec![IGNORE; seq_len]));
-    }
     // (the labelled tokens of the rows in order: the examples' steps in order)
     let mut out: Vec<Vec<f64>> = Vec::new();
-    for chunk in rows.chunks(batch) {
+    for_each_forward(model, set, (batch, seq_len), dev, |chunk, scores| {
         let labels: Vec<u32> = chunk.iter().flat_map(|r| r.1.iter().copied()).collect();
         let slot: std::collections::HashMap<usize, usize> = labels.iter().enumerate().filter(|(_, &l)| l != IGNORE).enumerate().map(|(s, (i, _))| (i, s)).collect();
-        let ids: Vec<u32> = chunk.iter().flat_map(|r| r.0.tokens.iter().copied()).collect();
-        let docs: Vec<Documents> = chunk.iter().map(|r| r.0.documents.clone().ok_or_else(|| candle_core::Error::Msg("prm: a row without documents".into()))).collect::<Result<_>>()?;
-        let sb = shard_batch_packed(&Tensor::from_vec(ids, (chunk.len(), seq_len), &Device::Cpu)?, &docs, ctx)?;
-        let scores = model.token_scores_packed(&sb.input_ids.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents, None)?.detach();
-        let probs: Vec<f32> = candle_nn::ops::softmax_last_dim(&scores)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1()?;
+        let probs: Vec<f32> = candle_nn::ops::softmax_last_dim(scores)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1()?;
         let mut part = vec![0f64; slot.len() * n];
         for (k, g) in crate::layout::local_token_indices(chunk.len(), seq_len, ctx)?.into_iter().enumerate() {
             if let Some(&s) = slot.get(&(g as usize)) {
@@ -333,7 +335,8 @@ pub fn step_probabilities(model: &Llama, set: &StepSet, batch: usize, seq_len: u
             }
         }
         out.extend(super::dpo::sum_over(&part, ctx.token_group())?.chunks(n.max(1)).map(|c| c.to_vec()));
-    }
+        Ok(())
+    })?;
     // (back into examples: each one's labelled steps within the row, in order)
     let mut steps = out.into_iter();
     set.docs.iter().map(|(_, l)| (0..l[..l.len().min(seq_len)].iter().filter(|&&x| x != IGNORE).count()).map(|_| steps.next().ok_or_else(|| candle_core::Error::Msg("step_probabilities: internal error (a step not scored)".into()))).collect()).collect()
